@@ -1,0 +1,1 @@
+"""Comparator KV-cache methods, one module each, all behind `longflow.policy.KVPolicy`."""

@@ -1,0 +1,40 @@
+"""Vanilla: the full KV cache, no eviction. The reference for accuracy and speed.
+
+Slots are allocated for the whole padded prompt plus `max_new_tokens`, and token t of the output
+goes to slot `L + t`, so the cache holds tokens in position order like HF's `DynamicCache`.
+`budget` is accepted for a uniform interface and ignored.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from longflow.policy import CacheSpec, KVPolicy
+
+
+class VanillaPolicy(KVPolicy):
+    name = "vanilla"
+
+    def __init__(self, budget: int | None = None, variant: str = "paper"):
+        super().__init__(budget=None)
+
+    def capacity(self, spec: CacheSpec) -> int:
+        return spec.prompt_len + spec.max_new_tokens
+
+    def prefill_keep(self, spec: CacheSpec) -> int:
+        return spec.prompt_len
+
+    def on_prompt_stored(self, layer: int, kept: torch.Tensor) -> None:
+        self.next_slot[layer].fill_(self.spec.prompt_len)
+
+    def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        # Only the output is needed, so SDPA (with GQA, no repeat_kv copy) rather than the eager
+        # attention that the scoring methods use.
+        slots = self.layers[layer]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), slots.keys, slots.values, attn_mask=slots.valid[:, :1, None, :],
+            scale=scale, enable_gqa=True,
+        )
+        self.next_slot[layer].add_(1)
+        return out.squeeze(2)

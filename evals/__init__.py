@@ -1,0 +1,1 @@
+"""Datasets, prompts, grading, the run entry point, tables and figures."""

@@ -1,0 +1,1 @@
+"""LongFlow: KV-cache policies, their transformers integration and a batched generation engine."""

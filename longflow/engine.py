@@ -1,0 +1,252 @@
+"""The batched generation loop: prefill, then one token per step over a KV policy's static cache.
+
+Written as small named steps (`prefill`, `decode_one_token`, `decode_n_tokens`) in the manner of
+gpt-fast. The decode step changes only preallocated tensors in place and never reads a value back
+to the host (finished rows are tracked on the device), so on a GPU it is captured once per batch in
+a CUDA graph and replayed: the model's Python code then costs nothing per step. The host looks at
+the device only every `check_every` steps, to stop when every row has finished.
+
+Notation: B batch, L padded prompt length, T max_new_tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from longflow.cache import PolicyCache
+from longflow.config import EngineConfig, GenerationConfig
+from longflow.policy import CacheSpec, KVPolicy
+from longflow.sampling import select_tokens
+
+
+@dataclass
+class BatchResult:
+    """What one batch produced. Token lists hold the generated ids, the final EOS included."""
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]  # "eos" | "length"
+    prompt_tokens: list[int]
+    prefill_seconds: float  # prompt forward and first token: the batch's time to first token
+    step_seconds: list[float]  # wall time of each decode step, device-synchronised
+    peak_slots: list[int]  # most KV slots held by each row, over layers and heads
+    peak_memory_bytes: int | None  # peak device memory during the batch (None on CPU)
+    cuda_graph: bool  # whether the decode steps ran as graph replays
+
+
+class DecodeState:
+    """The preallocated tensors one decode step reads and writes.
+
+    token, positions: `[B]` the last token and its position; step: 0-d, index of the next output
+    token; out: `[B, T]` output ids; finished: `[B]` bool; seen: `[B, V]` bool for the repetition
+    penalty (None when unused); seeds: `[B]` sampling seeds.
+    """
+
+    def __init__(self, batch: int, max_new_tokens: int, vocab: int, seeds: list[int], pad_id: int,
+                 device: torch.device, track_seen: bool):
+        self.token = torch.full((batch,), pad_id, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.long, device=device)
+        self.step = torch.zeros((), dtype=torch.long, device=device)
+        self.out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device) if track_seen else None
+        self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
+
+
+class Engine:
+    """Generates for batches of tokenised prompts with a fresh KV policy per batch."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        policy_factory: Callable[[], KVPolicy],
+        eos_ids: list[int],
+        pad_id: int,
+        config: EngineConfig | None = None,
+    ):
+        self.model = model
+        self.policy_factory = policy_factory
+        self.config = config or EngineConfig()
+        self.device = next(model.parameters()).device
+        self.eos_ids = torch.tensor(eos_ids, dtype=torch.long, device=self.device)
+        self.pad_id = pad_id
+        text_config = model.config.get_text_config()
+        self.num_layers = text_config.num_hidden_layers
+        self.q_heads = text_config.num_attention_heads
+        self.kv_heads = text_config.num_key_value_heads
+        self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.q_heads
+        self.vocab = text_config.vocab_size
+        self.dtype = next(model.parameters()).dtype
+
+    # ---- the steps ---------------------------------------------------------------------------
+
+    def forward(self, cache: PolicyCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions `[B, Lq]` -> logits of the last position `[B, V]`."""
+        output = self.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=cache,
+            kv_cache=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return output.logits[:, -1]
+
+    def prefill(self, cache, state, input_ids, pad, generation) -> None:
+        """Prompt forward `[B, L]`, then the first token into `state`."""
+        positions = (pad.long().cumsum(dim=-1) - 1).clamp(min=0)
+        cache.policy.begin_prefill(pad, positions)
+        logits = self.forward(cache, input_ids, positions)
+        if state.seen is not None:
+            state.seen.scatter_(1, input_ids, pad)
+        state.positions.copy_(pad.sum(dim=-1))
+        cache.policy.begin_decode(state.positions)
+        self.emit(state, select_tokens(logits, generation, state.seeds, state.step, state.seen), generation)
+
+    def emit(self, state: DecodeState, token: torch.Tensor, generation: GenerationConfig) -> None:
+        """Record `token` `[B]` as output `step`, in place (finished rows emit padding)."""
+        token = torch.where(state.finished, self.pad_id, token)
+        state.out.scatter_(1, state.step.expand(token.shape[0], 1), token[:, None])
+        if state.seen is not None:
+            state.seen.scatter_(1, token[:, None], True)
+        if not generation.ignore_eos:
+            state.finished |= torch.isin(token, self.eos_ids)
+        state.token.copy_(token)
+        state.step += 1
+
+    def decode_one_token(self, cache, state, generation) -> None:
+        logits = self.forward(cache, state.token[:, None], state.positions[:, None])
+        state.positions += 1
+        self.emit(state, select_tokens(logits, generation, state.seeds, state.step, state.seen), generation)
+
+    def decode_n_tokens(self, cache, state, generation, steps: int) -> tuple[list[float], bool]:
+        """Runs up to `steps` decode steps; returns (seconds per step, whether a graph was used)."""
+        policy, on_gpu = cache.policy, self.device.type == "cuda"
+        run_step = lambda: self.decode_one_token(cache, state, generation)  # noqa: E731
+        timer = StepTimer(self.device)
+        use_graph = False
+        for step in range(steps):
+            if step == 1 and on_gpu and self.config.cuda_graph:
+                graph = capture(run_step)
+                use_graph = graph is not None
+            timer.start()
+            if use_graph:
+                graph.replay()
+            else:
+                run_step()
+            timer.stop()
+            policy.after_step(step)
+            if (step + 1) % self.config.check_every == 0 and bool(state.finished.all()):
+                break
+        return timer.seconds(), use_graph
+
+    # ---- a batch -----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], generation: GenerationConfig, seeds: list[int]) -> BatchResult:
+        if not prompts or len(prompts) != len(seeds):
+            raise ValueError("generate needs one seed per prompt and at least one prompt")
+        batch, length = len(prompts), max(len(p) for p in prompts)
+        if min(len(p) for p in prompts) == 0:
+            raise ValueError("empty prompt")
+        input_ids = torch.full((batch, length), self.pad_id, dtype=torch.long)
+        pad = torch.zeros(batch, length, dtype=torch.bool)
+        for row, prompt in enumerate(prompts):  # left padding
+            input_ids[row, length - len(prompt):] = torch.tensor(prompt)
+            pad[row, length - len(prompt):] = True
+        input_ids, pad = input_ids.to(self.device), pad.to(self.device)
+
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        policy = self.policy_factory()
+        policy.allocate(CacheSpec(
+            batch=batch, layers=self.num_layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
+            head_dim=self.head_dim, prompt_len=length, max_new_tokens=generation.max_new_tokens,
+            dtype=self.dtype, device=self.device,
+        ))
+        cache = PolicyCache(policy, self.num_layers)
+        state = DecodeState(batch, generation.max_new_tokens, self.vocab, seeds, self.pad_id, self.device,
+                            track_seen=generation.repetition_penalty != 1.0)
+
+        synchronize(self.device)
+        start = time.perf_counter()
+        self.prefill(cache, state, input_ids, pad, generation)
+        synchronize(self.device)
+        prefill_seconds = time.perf_counter() - start
+        step_seconds, used_graph = self.decode_n_tokens(cache, state, generation, generation.max_new_tokens - 1)
+
+        out, finished = state.out.tolist(), state.finished.tolist()
+        eos = set(self.eos_ids.tolist())
+        tokens, reasons = [], []
+        for row in range(batch):
+            ids = out[row]
+            end = next((i + 1 for i, t in enumerate(ids) if t in eos), None) if not generation.ignore_eos else None
+            tokens.append(ids[:end] if end else ids)
+            reasons.append("eos" if end and finished[row] else "length")
+        return BatchResult(
+            tokens=tokens,
+            finish_reasons=reasons,
+            prompt_tokens=[len(p) for p in prompts],
+            prefill_seconds=prefill_seconds,
+            step_seconds=step_seconds,
+            peak_slots=policy.peak_slots(),
+            peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if on_gpu else None,
+            cuda_graph=used_graph,
+        )
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def capture(step: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
+    """Captures one decode step as a CUDA graph, or returns None (with a warning) if it can't be.
+
+    The step has already run once eagerly (the first decode step), which is the warm-up capture
+    needs; capture itself records kernels without running them, so no token is produced twice.
+    """
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager steps
+        warnings.warn(f"CUDA graph capture failed, decoding eagerly: {error}", stacklevel=2)
+        torch.cuda.synchronize()
+        return None
+    return graph
+
+
+class StepTimer:
+    """Per-step wall times: CUDA events on a GPU (read once at the end, no sync per step), a host
+    clock on the CPU, where every op is synchronous."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.starts: list = []
+        self.stops: list = []
+
+    def start(self) -> None:
+        self.starts.append(self._mark())
+
+    def stop(self) -> None:
+        self.stops.append(self._mark())
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self) -> list[float]:
+        if not self.cuda:
+            return [stop - start for start, stop in zip(self.starts, self.stops, strict=True)]
+        torch.cuda.synchronize()
+        return [start.elapsed_time(stop) / 1000 for start, stop in zip(self.starts, self.stops, strict=True)]

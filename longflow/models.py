@@ -1,0 +1,96 @@
+"""Model and tokenizer loading: from the hub, or from an architecture with random weights.
+
+A model config carries its hub id and its architecture (the fields of the hub's config.json that
+shape the network), so the same model can be built offline with random weights: the tiny models of
+the tests and the demo, and full-size architectures for speed benchmarks on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from longflow.cache import ATTENTION_NAME
+from longflow.errors import UserError
+from longflow.tokenizer import CHAT_FORMATS, build_tokenizer
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load. `weights`: "hub" (pretrained) or "random" (built from `architecture`)."""
+
+    name: str
+    hub_id: str
+    architecture: dict = field(default_factory=dict)
+    revision: str = "main"
+    weights: str = "hub"
+    chat_format: str = "qwen3"
+    thinks: bool = True
+    dtype: str = "bfloat16"
+    init_seed: int = 0
+
+    def __post_init__(self):
+        if self.weights not in ("hub", "random"):
+            raise UserError(f"model.weights must be 'hub' or 'random', got {self.weights!r}")
+        if self.dtype not in DTYPES:
+            raise UserError(f"model.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.chat_format not in CHAT_FORMATS:
+            raise UserError(f"model.chat_format must be one of {sorted(CHAT_FORMATS)}, got {self.chat_format!r}")
+        if self.weights == "random" and "model_type" not in self.architecture:
+            raise UserError(f"model {self.name!r}: weights=random needs architecture.model_type")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device={device!r} was asked for but no CUDA GPU is visible (use device=cpu)")
+    return torch.device(device)
+
+
+def load_model(spec: ModelSpec, device: torch.device) -> tuple[PreTrainedModel, object]:
+    """Returns (model in eval mode on `device` with the `kv_policy` attention, tokenizer)."""
+    dtype = DTYPES[spec.dtype]
+    if spec.weights == "random":
+        config = AutoConfig.for_model(**spec.architecture)
+        tokenizer = build_tokenizer(config.vocab_size, spec.chat_format)
+        # The architecture's default special ids (Llama's eos=2, say) mean nothing to this tokenizer.
+        config.bos_token_id = tokenizer.bos_token_id
+        config.eos_token_id = tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+        torch.manual_seed(spec.init_seed)
+        # Built directly on the device: initialising an 8B model on the CPU first takes minutes.
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.bos_token_id = tokenizer.bos_token_id
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(spec.hub_id, revision=spec.revision)
+            model = AutoModelForCausalLM.from_pretrained(
+                spec.hub_id, revision=spec.revision, dtype=dtype, device_map=str(device)
+            )
+        except OSError as error:
+            raise UserError(
+                f"cannot load {spec.hub_id!r} (revision {spec.revision}) from the hub or its cache: "
+                f"{str(error).splitlines()[0]} -- needs hub access, or model.weights=random for random weights"
+            ) from error
+    model.set_attn_implementation(ATTENTION_NAME)
+    model.eval()
+    return model, tokenizer
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
+    """Every id that ends a generation: the tokenizer's EOS and the model's generation config's."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(configured)
+    return sorted(i for i in ids if i is not None)
