@@ -32,6 +32,7 @@ class ModelSpec:
     thinks: bool = True
     dtype: str = "bfloat16"
     init_seed: int = 0
+    sampling_top_k: int = 0  # the family's recommended top_k when sampling (Qwen3: 20); 0 = off
 
     def __post_init__(self):
         if self.weights not in ("hub", "random"):

@@ -8,7 +8,7 @@ switch, or R1-Distill's template that ends the generation prompt with "<think>\\
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 CHATML_TEMPLATE = (
@@ -31,18 +31,21 @@ R1_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<｜Assistant｜><think>\\n' }}{%- endif %}"
 )
 
+# Single tokens, as in the real vocabularies, but not special: decoding with skip_special_tokens keeps
+# them, and grading needs "</think>".
+THINK_TAGS = ["<think>", "</think>"]
+
 CHAT_FORMATS = {
     "qwen3": dict(
         template=CHATML_TEMPLATE,
-        special=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+        special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         eos="<|im_end|>",
         pad="<|endoftext|>",
         bos=None,
     ),
     "r1_distill": dict(
         template=R1_TEMPLATE,
-        special=["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
-                 "<think>", "</think>"],
+        special=["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
         eos="<｜end▁of▁sentence｜>",
         pad="<｜end▁of▁sentence｜>",
         bos="<｜begin▁of▁sentence｜>",
@@ -57,7 +60,7 @@ def build_tokenizer(vocab_size: int, chat_format: str = "qwen3") -> PreTrainedTo
     fmt = CHAT_FORMATS[chat_format]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}
-    for token in fmt["special"]:
+    for token in fmt["special"] + THINK_TAGS:
         vocab[token] = len(vocab)
     if vocab_size < len(vocab):
         raise ValueError(f"vocab_size {vocab_size} is below the {len(vocab)} byte and special tokens")
@@ -73,5 +76,6 @@ def build_tokenizer(vocab_size: int, chat_format: str = "qwen3") -> PreTrainedTo
         bos_token=fmt["bos"],
         additional_special_tokens=[t for t in fmt["special"] if t not in (fmt["eos"], fmt["pad"], fmt["bos"])],
     )
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in THINK_TAGS])
     tokenizer.chat_template = fmt["template"]
     return tokenizer

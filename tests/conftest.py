@@ -7,33 +7,27 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from longflow.models import ModelSpec, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 
-TINY_ARCHITECTURES = {
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=384,
-                  max_position_embeddings=4096, rope_theta=10000.0),
-    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=384,
-                  max_position_embeddings=4096, rope_theta=10000.0),
-    "qwen3": dict(model_type="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=384,
-                  max_position_embeddings=4096, rope_theta=10000.0),
-}
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def tiny_spec(family: str, **overrides) -> ModelSpec:
+    """The `conf/model/tiny_<family>.yaml` model, as the entry point would build it."""
+    fields = yaml.safe_load((REPO / "conf" / "model" / f"tiny_{family}.yaml").read_text())
+    return ModelSpec(**{**fields, **overrides})
 
 
 def tiny_model(family: str):
     """(model, tokenizer) with random float32 weights on the CPU, `kv_policy` attention set."""
-    chat_format = "r1_distill" if family == "llama" else "qwen3"
-    spec = ModelSpec(name=f"tiny_{family}", hub_id="none", architecture=TINY_ARCHITECTURES[family],
-                     weights="random", dtype="float32", chat_format=chat_format)
-    return load_model(spec, torch.device("cpu"))
+    return load_model(tiny_spec(family), torch.device("cpu"))
 
 
-@pytest.fixture(scope="session", params=sorted(TINY_ARCHITECTURES))
+@pytest.fixture(scope="session", params=FAMILIES)
 def tiny(request):
     """Each tiny family in turn: (model, tokenizer)."""
     return tiny_model(request.param)
