@@ -1,0 +1,54 @@
+# Set-up and main jobs. `make demo` and `make test` create the virtual environment themselves.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+# Machines without an NVIDIA driver get torch 2.13.0, a small CPU build where pip finds one locally;
+# GPU machines get pip's default (CUDA) build. Override with `make TORCH=... test`.
+TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
+# The GPU image this project is measured on ships transformers 5.17: pin it for identical numerics.
+TRANSFORMERS ?= transformers==5.17.0
+
+RUNS ?= results/runs
+
+.PHONY: install test test-fast demo table1 table fig1 figures lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet "$(TORCH)" "$(TRANSFORMERS)"
+	$(VENV)/bin/pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: $(STAMP)  ## the whole suite (CPU; Triton kernels through its interpreter; GPU tests skip)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)  ## without the end-to-end runs marked slow
+	$(PY) -m pytest -q -m "not slow"
+
+demo: $(STAMP)  ## every method on the tiny model and the embedded demo set, then the table and a plot
+	$(PY) -m evals.run -m experiment=demo method=vanilla,streaming,h2o,vatp,rkv,longflow
+	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table
+	$(PY) -m evals.figures --runs results/demo/runs --out results/demo
+
+table1: $(STAMP)  ## the paper's Table 1: R1-Distill-Llama-8B, budget 2400, every method, eight datasets (GPU + hub)
+	$(PY) -m evals.run -m experiment=table1
+	$(PY) -m evals.table --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
+
+table: $(STAMP)  ## a table of whatever runs exist
+	$(PY) -m evals.table --runs $(RUNS) --out results/table
+
+figures: $(STAMP)  ## budget-sweep figures of whatever runs exist
+	$(PY) -m evals.figures --runs $(RUNS) --out results
+
+fig1: $(STAMP)  ## decode-attention microbenchmark (the paper's Figure 1); needs a CUDA GPU
+	$(PY) -m evals.bench_attention --out results
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) results/demo/runs .pytest_cache

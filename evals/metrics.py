@@ -1,0 +1,73 @@
+"""A run's metrics from its stored records: accuracy, pass@k, speed, memory, KV slots held."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from math import comb
+from typing import Any
+
+import numpy as np
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k), for n samples of which c correct."""
+    if k > n:
+        raise ValueError(f"pass@{k} needs at least {k} samples, got {n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def summarize(identity: dict[str, Any], generations: list[dict], batches: list[dict]) -> dict[str, Any]:
+    """metrics.json of one run.
+
+    generations: one record per item and sample (see `evals.run`); batches: one record per engine
+    batch with its timings. Speed figures cover generation only (not loading or grading).
+    """
+    n_samples = identity["generation_params"]["n_samples"]
+    by_item: dict[str, list[bool]] = defaultdict(list)
+    for record in generations:
+        by_item[record["id"]].append(bool(record["correct"]))
+    correct = [bool(record["correct"]) for record in generations]
+
+    metrics: dict[str, Any] = {
+        key: identity[key] for key in ("run_id", "model", "hub_id", "method", "variant", "budget", "generation",
+                                       "dataset", "dataset_size")
+    }
+    complete_items = [item for item, results in by_item.items() if len(results) >= n_samples]
+    metrics.update(
+        n_items=len(by_item),
+        n_samples=n_samples,
+        complete=len(complete_items) >= identity["dataset_size"],
+        accuracy=float(np.mean(correct)) if correct else None,
+    )
+    if n_samples > 1 and complete_items:
+        ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n_samples]
+        metrics["pass_at_k"] = {
+            str(k): float(np.mean([pass_at_k(n_samples, sum(by_item[i][:n_samples]), k) for i in complete_items]))
+            for k in ks
+        }
+
+    steps = np.array([s for batch in batches for s in batch["step_seconds"]], dtype=float)
+    generated = sum(batch["generated_tokens"] for batch in batches)
+    generation_seconds = sum(batch["prefill_seconds"] + sum(batch["step_seconds"]) for batch in batches)
+    memory = [batch["peak_memory_bytes"] for batch in batches if batch.get("peak_memory_bytes") is not None]
+    slots = [s for record in generations for s in [record.get("peak_slots")] if s is not None]
+    metrics.update(
+        tokens_per_second=generated / generation_seconds if generation_seconds > 0 else None,
+        ttft_seconds_mean=float(np.mean([b["prefill_seconds"] for b in batches])) if batches else None,
+        step_latency_ms={
+            "p50": float(np.percentile(steps, 50) * 1e3),
+            "p99": float(np.percentile(steps, 99) * 1e3),
+            "mean": float(steps.mean() * 1e3),
+        } if steps.size else None,
+        peak_memory_gb=max(memory) / 2**30 if memory else None,
+        peak_kv_slots=max(slots) if slots else None,
+        mean_output_tokens=float(np.mean([r["output_tokens"] for r in generations])) if generations else None,
+        finish_reasons=dict(Counter(r["finish_reason"] for r in generations)),
+        grade_reasons=dict(Counter(r["reason"] for r in generations)),
+        generation_seconds=generation_seconds,
+        cuda_graph=any(batch.get("cuda_graph") for batch in batches),
+        device=batches[-1]["device"] if batches else None,
+    )
+    return metrics
