@@ -124,8 +124,8 @@ def evaluate(
             "architecture": spec.architecture if spec.weights == "random" else None,
             "init_seed": spec.init_seed if spec.weights == "random" else None, "dtype": spec.dtype,
             "method": method, "variant": method_cfg.get("variant", "paper"), "method_params": method_cfg,
-            "budget": budget, "generation": generation_name, "protocol": protocol,
-            "generation_params": generation_cfg, "dataset": job.name, "dataset_size": job.size,
+            "thinks": spec.thinks, "budget": budget, "generation": generation_name, "protocol": protocol,
+            "generation_params": generation_cfg, "dataset": job.name, "kind": job.kind, "dataset_size": job.size,
             "dataset_fingerprint": job.fingerprint,
             # The prompt format, not the rendered prompts: `limit` only selects which items are done.
             "template": stable_hash([getattr(tokenizer, "chat_template", None), protocol, spec.thinks]),

@@ -120,3 +120,22 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
     result = run_cli("dataset=gsm8k", f"dataset.root={tmp_path}", f"results_dir={tmp_path / 'runs'}", timeout=120)
     assert result.returncode == 2, result.stderr
     assert "gsm8k.jsonl" in result.stderr and "line 2" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_regrade_reproduces_stored_grades(reference, tmp_path):
+    run = run_cli(*BASE, "method=streaming", "limit=2", f"results_dir={tmp_path}")
+    assert run.returncode == 0, run.stderr
+    for directory in run_dirs(tmp_path):
+        before = records(directory)
+        result = subprocess.run([sys.executable, "-m", "evals.grade", str(directory)], cwd=REPO, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert records(directory) == before
+        assert json.loads((directory / "metrics.json").read_text())["accuracy"] == 0.0
+
+
+def test_regrade_rejects_a_non_run_directory(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "evals.grade", str(tmp_path)], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr

@@ -1,0 +1,133 @@
+"""End-to-end decode benchmark: every method's generation speed and memory on one model, next to HF.
+
+    python -m evals.bench_decode --model qwen3_8b --batch 64 --prompt 512 --new 2048 --budget 1024
+    python -m evals.bench_decode --model tiny_qwen3 --batch 4 --prompt 64 --new 32 --budget 48 --hf-generate
+
+The model is built from `conf/model/<name>.yaml` with random weights (no download) and fed random
+prompt tokens; EOS is ignored so every row generates exactly `--new` tokens. For each method it
+prints tokens/s, ms per decode step (p50, p99), time to first token and peak device memory;
+`--hf-generate` adds transformers' `model.generate` (SDPA attention, DynamicCache) on the same
+model, batch and lengths. Writes a CSV beside the printed table. No Hydra: the GPU image lacks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+import yaml
+
+from longflow.cache import ATTENTION_NAME
+from longflow.config import EngineConfig, GenerationConfig
+from longflow.engine import Engine, synchronize
+from longflow.methods import build_policy
+from longflow.models import ModelSpec, load_model, resolve_device
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def method_params(name: str) -> dict:
+    fields = yaml.safe_load((CONF / "method" / f"{name}.yaml").read_text()) or {}
+    fields.pop("name", None)
+    return fields
+
+
+def bench_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda_graph: bool) -> dict:
+    params = method_params(method)
+    engine = Engine(model, lambda: build_policy(method, budget, **params), eos_ids=[], pad_id=0,
+                    config=EngineConfig(batch_size=len(prompts), cuda_graph=cuda_graph))
+    generation = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    seeds = list(range(len(prompts)))
+    engine.generate(prompts, GenerationConfig(max_new_tokens=4, ignore_eos=True), seeds)  # warm-up
+    result = engine.generate(prompts, generation, seeds)
+    steps = np.array(result.step_seconds)
+    total = result.prefill_seconds + steps.sum()
+    return {
+        "method": method, "budget": None if method == "vanilla" else budget,
+        "tokens_per_s": len(prompts) * new_tokens / total,
+        "step_ms_p50": float(np.percentile(steps, 50) * 1e3), "step_ms_p99": float(np.percentile(steps, 99) * 1e3),
+        "ttft_s": result.prefill_seconds,
+        "peak_memory_gb": result.peak_memory_bytes / 2**30 if result.peak_memory_bytes else None,
+        "peak_kv_slots": max(result.peak_slots), "cuda_graph": result.cuda_graph,
+    }
+
+
+def bench_hf_generate(model, prompts, new_tokens: int) -> dict:
+    """transformers' own loop: SDPA attention, DynamicCache, greedy, no EOS."""
+    input_ids = torch.tensor(prompts, device=model.device)
+    model.set_attn_implementation("sdpa")
+    device = model.device
+    try:
+        kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+        model.generate(input_ids, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+        synchronize(device)
+        start = time.perf_counter()
+        model.generate(input_ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        synchronize(device)
+        prefill = time.perf_counter() - start
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        synchronize(device)
+        total = time.perf_counter() - start
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
+    step = (total - prefill) / max(new_tokens - 1, 1)
+    return {
+        "method": "hf_generate (vanilla)", "budget": None, "tokens_per_s": len(prompts) * new_tokens / total,
+        "step_ms_p50": step * 1e3, "step_ms_p99": None, "ttft_s": prefill,
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "peak_kv_slots": None, "cuda_graph": False,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3_8b")
+    parser.add_argument("--methods", default="vanilla,streaming,h2o,vatp,rkv,longflow")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new", type=int, default=2048)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None, help="default: the model config's")
+    parser.add_argument("--no-cuda-graph", action="store_true")
+    parser.add_argument("--hf-generate", action="store_true", help="also time model.generate")
+    parser.add_argument("--out", default="results/bench_decode.csv")
+    args = parser.parse_args()
+
+    fields = yaml.safe_load((CONF / "model" / f"{args.model}.yaml").read_text())
+    fields.update(weights="random", **({"dtype": args.dtype} if args.dtype else {}))
+    device = resolve_device(args.device)
+    model, _ = load_model(ModelSpec(**fields), device)
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    # Ids from the lower half of the vocabulary, away from the special ids at its top.
+    prompts = torch.randint(0, vocab // 2, (args.batch, args.prompt), generator=generator).tolist()
+
+    rows = []
+    for method in args.methods.split(","):
+        rows.append(bench_engine(model, method, args.budget, prompts, args.new, not args.no_cuda_graph))
+        print(rows[-1], flush=True)
+    if args.hf_generate:
+        rows.append(bench_hf_generate(model, prompts, args.new))
+        print(rows[-1], flush=True)
+
+    table = pd.DataFrame(rows)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"\n{args.model} (random weights, {fields['dtype']}), batch {args.batch}, prompt {args.prompt}, "
+          f"{args.new} new tokens, budget {args.budget}, on {gpu}")
+    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table.assign(model=args.model, batch=args.batch, prompt=args.prompt, new=args.new, device=gpu).to_csv(out, index=False)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""`evals.table` on fake run directories: values, Avg., bold per model, partial marks, outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pandas as pd
+import pytest
+
+from evals.table import (
+    best_per_model,
+    build_table,
+    collect,
+    main,
+    render_latex,
+    render_markdown,
+    table_csv,
+    write_table,
+)
+from longflow.errors import UserError
+
+SIZES = {"gsm8k": 1319, "math500": 500, "aime24": 30, "demo": 8}
+
+
+def write_run(root, model, method, budget, dataset, accuracy, *, variant="paper", generation="greedy",
+              n_items=None, mtime=None, **extra):
+    """A run directory holding a metrics.json like the entry point's; returns its path."""
+    size = SIZES[dataset]
+    n_items = size if n_items is None else n_items
+    tag = "full" if budget is None else f"b{budget}"
+    run_id = f"{model}__{method}__{tag}__{generation}__{dataset}__{variant}{mtime or ''}"
+    metrics = {
+        "run_id": run_id, "model": model, "hub_id": "none", "method": method, "variant": variant,
+        "budget": budget, "generation": generation, "dataset": dataset, "dataset_size": size,
+        "n_items": n_items, "n_samples": 1, "complete": n_items >= size, "accuracy": accuracy,
+        "tokens_per_second": 100.0 if budget is None else 1000.0 / budget * 10,
+        "ttft_seconds_mean": 0.05, "step_latency_ms": {"p50": 3.0, "p99": 4.0, "mean": 3.2},
+        "peak_memory_gb": None, "peak_kv_slots": budget or 512, "mean_output_tokens": 48.0,
+        "finish_reasons": {"eos": 1, "length": 3}, "grade_reasons": {"correct": 1, "mismatch": 3},
+        "wall_seconds": 1.0, "device": "cpu", **extra,
+    }
+    path = root / run_id / "metrics.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(metrics))
+    if mtime is not None:
+        os.utime(path, (mtime, mtime))
+    return path.parent
+
+
+@pytest.fixture
+def runs(tmp_path):
+    root = tmp_path / "runs"
+    q, llama = "tiny_qwen3", "tiny_llama"
+    write_run(root, q, "vanilla", None, "gsm8k", 0.75)
+    write_run(root, q, "vanilla", None, "math500", 0.5)
+    write_run(root, q, "h2o", 64, "gsm8k", 0.25)
+    write_run(root, q, "h2o", 64, "math500", 0.5)
+    write_run(root, q, "longflow", 64, "gsm8k", 0.5)
+    write_run(root, q, "longflow", 64, "math500", 0.25, n_items=4)  # partial
+    write_run(root, q, "rkv", 64, "gsm8k", 0.5)  # ties LongFlow on GSM8K; no MATH-500
+    write_run(root, q, "h2o", 64, "gsm8k", 0.125, variant="lf_repo")
+    write_run(root, llama, "vanilla", None, "gsm8k", 1.0)
+    write_run(root, llama, "streaming", 64, "gsm8k", 0.25)
+    write_run(root, llama, "longflow", 64, "gsm8k", 0.0, mtime=1_000_000)  # older duplicate, dropped
+    write_run(root, llama, "longflow", 64, "gsm8k", 0.75, mtime=2_000_000)
+    write_run(root, llama, "longflow", 64, "aime24", 1 / 3)
+    write_run(root, llama, "longflow", 64, "demo", 0.5)  # a dataset without a display name
+    (root / "torn").mkdir()
+    (root / "torn" / "metrics.json").write_text('{"model": "tiny_qwen3", "meth')
+    (root / "nokeys").mkdir()
+    (root / "nokeys" / "metrics.json").write_text('{"accuracy": 0.5}')
+    (root / ".hydra" / "x").mkdir(parents=True)
+    (root / ".hydra" / "x" / "metrics.json").write_text("not json")
+    return root
+
+
+def test_collect_skips_bad_files(runs, capsys):
+    frame = collect(runs)
+    assert len(frame) == 14
+    err = capsys.readouterr().err
+    assert err.count("warning: skipping") == 2 and "torn" in err and "nokeys" in err and ".hydra" not in err
+    assert frame["budget"].isna().sum() == 3
+    assert "step_latency_ms.p50" in frame
+
+
+def test_table_layout_values_and_bold(runs):
+    table = build_table(collect(runs))
+    values, bold = table.values, table.bold
+    assert list(values.columns) == ["AIME24 (30)", "GSM8K (1319)", "MATH-500 (500)", "demo (8)", "Avg."]
+    assert list(values.index.names) == ["Model", "Method", "Budget"]
+    assert list(values.index) == [
+        ("tiny_llama", "FullKV", "-"), ("tiny_llama", "StreamingLLM", "64"), ("tiny_llama", "LongFlow", "64"),
+        ("tiny_qwen3", "FullKV", "-"), ("tiny_qwen3", "H2O", "64"), ("tiny_qwen3", "H2O (lf_repo)", "64"),
+        ("tiny_qwen3", "R-KV", "64"), ("tiny_qwen3", "LongFlow", "64"),  # a variant follows its method
+    ]
+    row = values.loc[("tiny_qwen3", "LongFlow", "64")]
+    assert row["GSM8K (1319)"] == 50.0 and row["MATH-500 (500)"] == 25.0 and pd.isna(row["AIME24 (30)"])
+    assert row["Avg."] == 37.5
+    assert values.loc[("tiny_llama", "LongFlow", "64"), "GSM8K (1319)"] == 75.0  # newest of the two
+    assert values.loc[("tiny_llama", "LongFlow", "64"), "Avg."] == pytest.approx((100 / 3 + 75 + 50) / 3)
+    assert values.loc[("tiny_qwen3", "R-KV", "64"), "Avg."] == 50.0  # over its one dataset
+    assert any("2 runs, kept the newest" in note for note in table.notes)
+
+    bold_cells = {(model, method, column) for (model, method, _, column), b in bold.stack().items() if b}
+    assert bold_cells == {
+        ("tiny_llama", "LongFlow", "GSM8K (1319)"), ("tiny_llama", "LongFlow", "Avg."),
+        ("tiny_qwen3", "R-KV", "GSM8K (1319)"), ("tiny_qwen3", "LongFlow", "GSM8K (1319)"),  # a tie
+        ("tiny_qwen3", "H2O", "MATH-500 (500)"), ("tiny_qwen3", "R-KV", "Avg."),
+    }
+    # FullKV is the reference, never bold, though it beats every method of tiny_qwen3 on GSM8K.
+    assert not bold.xs("FullKV", level="Method").to_numpy().any()
+    assert table.partial.loc[("tiny_qwen3", "LongFlow", "64"), "MATH-500 (500)"]
+    assert table.partial.loc[("tiny_qwen3", "LongFlow", "64"), "Avg."]
+    assert table.partial.to_numpy().sum() == 2
+
+
+def test_bold_rules():
+    index = pd.MultiIndex.from_tuples(
+        [("m", "FullKV", "-"), ("m", "H2O", "64"), ("m", "R-KV", "64"), ("m", "LongFlow", "64"),
+         ("n", "FullKV", "-"), ("n", "H2O", "64")], names=["Model", "Method", "Budget"])
+    values = pd.DataFrame({"tie": [9.0, 1.0, 1.0, 1.0, 9.0, 1.0], "ms": [1.0, 3.04, 4.0, 3.01, 2.0, 5.0]},
+                          index=index)
+    candidate = [False, True, True, True, False, True]
+    bold = best_per_model(values, candidate, decimals=1, lower=True)
+    assert not bold["tie"].any()  # all candidates tie: nothing stands out; model n has one candidate
+    assert bold["ms"].tolist() == [False, True, False, True, False, False]  # 3.0 and 3.0 as shown
+    bold = best_per_model(values, candidate, decimals=2, lower=True)
+    assert bold["ms"].tolist() == [False, False, False, True, False, False]
+
+
+def test_markdown_marks(runs):
+    md = render_markdown(build_table(collect(runs)))
+    print(md)
+    lines = md.splitlines()
+    assert lines[0] == ("| Model | Method | Budget | AIME24 (30) | GSM8K (1319) | MATH-500 (500) | demo (8) "
+                        "| Avg. |")
+    assert lines[1] == "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"
+    assert lines[2] == "| tiny_llama | FullKV | - | - | 100.0 | - | - | 100.0 |"
+    assert "| tiny_qwen3 | LongFlow | 64 | - | **50.0** | 25.0† | - | 37.5† |" not in md  # model shown once
+    assert "|  | LongFlow | 64 | - | **50.0** | 25.0† | - | 37.5† |" in md
+    assert "† partial: tiny_qwen3 / LongFlow / 64 / MATH-500: 4 of 500 items" in md
+
+
+def test_outputs_and_csv_round_trip(runs, tmp_path):
+    table = build_table(collect(runs))
+    paths = write_table(table, tmp_path / "out" / "table1")
+    assert [p.name for p in paths] == ["table1.md", "table1.tex", "table1.csv"]
+    assert all(p.stat().st_size > 0 for p in paths)
+    back = pd.read_csv(paths[2])
+    expected = table_csv(table)
+    assert list(back.columns) == list(expected.columns)
+    numeric = list(table.values.columns)
+    pd.testing.assert_frame_equal(back[numeric], expected[numeric], check_dtype=False)
+    assert back["Budget"].isna().sum() == 2 and set(back["Budget"].dropna()) == {64}
+    assert back["Partial"].fillna("").tolist().count("MATH-500 (500)") == 1
+    assert not back.astype(str).apply(lambda c: c.str.contains(r"\*|†|textbf")).to_numpy().any()
+    tex = paths[1].read_text()
+    assert r"\toprule" in tex and r"\bottomrule" in tex and r"\textbf{50.0}" in tex
+    assert r"tiny\_qwen3" in tex and r"25.0$^\dagger$" in tex and r"4 of 500 items" in tex
+    assert tex == render_latex(table)
+
+
+def test_filters_and_generation_key(runs):
+    write_run(runs, "tiny_qwen3", "h2o", 64, "gsm8k", 0.5, generation="sampling", **{"pass_at_k": {"1": 0.5}})
+    frame = collect(runs)
+    assert "Gen." in build_table(frame).values.index.names  # two generation configs: a row key
+    table = build_table(frame[frame["generation"] == "greedy"], metric="tokens_per_second")
+    assert table.values.loc[("tiny_qwen3", "H2O", "64"), "GSM8K (1319)"] == pytest.approx(156.25)
+    with pytest.raises(UserError, match="unknown metric"):
+        build_table(frame, metric="nonsense")
+    with pytest.raises(UserError, match="no selected run has a number"):
+        build_table(frame, metric="peak_memory_gb")  # null on the CPU
+
+
+def test_cli(runs, tmp_path, capsys):
+    out = tmp_path / "t" / "table1"
+    assert main(["--runs", str(runs), "--out", str(out), "--model", "tiny_qwen3", "--dataset", "GSM8K"]) == 0
+    printed = capsys.readouterr().out
+    assert "| Model | Method | Budget | GSM8K (1319) | Avg. |" in printed and "tiny_llama" not in printed
+    assert out.with_name("table1.csv").exists()
+
+
+def test_no_runs(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError):
+        build_table(collect(tmp_path / "empty"))
+    assert main(["--runs", str(tmp_path / "empty"), "--out", str(tmp_path / "t")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no metrics.json found under") and len(err.strip().splitlines()) == 1
+    assert main(["--runs", str(tmp_path / "missing")]) == 2
