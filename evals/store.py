@@ -73,7 +73,9 @@ def read_records(path: Path) -> list[dict]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError as error:
-            raise UserError(f"{path}:{number}: corrupt record ({error.msg}); delete that line to redo the item") from error
+            raise UserError(
+                f"{path}:{number}: corrupt record ({error.msg}); delete that line to redo the item"
+            ) from error
     return records
 
 
