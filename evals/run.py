@@ -97,13 +97,13 @@ def evaluate(
     if limit is not None and (not isinstance(limit, int) or limit <= 0):
         raise UserError(f"limit must be a positive integer or null, got {limit!r}")
 
-    jobs = load_jobs(cfg["dataset"], limit)
     device = resolve_device(cfg["device"])
     if cfg.get("require_gpu") and device.type != "cuda":
         raise UserError(
             f"this experiment needs a CUDA GPU (none visible here) and hub access to {spec.hub_id}; "
             "run it on a GPU machine with the model downloadable or cached"
         )
+    jobs = load_jobs(cfg["dataset"], limit)
     model, tokenizer = load_model(spec, device)
     engine = Engine(model, lambda: build_policy(method, budget, **method_cfg), eos_token_ids(model, tokenizer),
                     tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
