@@ -40,3 +40,13 @@ def data_root() -> Path:
     if not (root / "gsm8k.jsonl").exists():
         pytest.skip(f"benchmark data not found under {root} (set LONGFLOW_DATA_ROOT)")
     return root
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: skipped on CPU machines (CI), run on the GPU through `device`."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
