@@ -8,8 +8,8 @@ goes to slot `L + t`, so the cache holds tokens in position order like HF's `Dyn
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from longflow.attention import decode_attention
 from longflow.policy import CacheSpec, KVPolicy
 
 
@@ -29,12 +29,9 @@ class VanillaPolicy(KVPolicy):
         self.next_slot[layer].fill_(self.spec.prompt_len)
 
     def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        # Only the output is needed, so SDPA (with GQA, no repeat_kv copy) rather than the eager
-        # attention that the scoring methods use.
+        # The same eager attention as the scoring methods (K/V read once, no repeat_kv), so that
+        # their step-time difference is the cost of scoring and eviction alone.
         slots = self.layers[layer]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), slots.keys, slots.values, attn_mask=slots.valid[:, :1, None, :],
-            scale=scale, enable_gqa=True,
-        )
+        out, _ = decode_attention(q, slots.keys, slots.values, slots.valid, scale)
         self.next_slot[layer].add_(1)
-        return out.squeeze(2)
+        return out

@@ -40,7 +40,9 @@ def decode_attention(
     """
     kv_heads = keys.shape[1]
     grouped = group_queries(q, kv_heads)
-    logits = torch.matmul(grouped.float(), keys.float().transpose(-1, -2)) * scale  # [B, Hkv, G, S]
+    # Logits in the model's dtype (fp32 accumulation inside the matmul), softmax in fp32, as HF's
+    # eager attention does: upcasting K first would write and read an fp32 copy of the whole cache.
+    logits = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, G, S]
     logits = logits.masked_fill(~valid.unsqueeze(2), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     out = torch.matmul(probs.to(values.dtype), values)  # [B, Hkv, G, D]
