@@ -1,0 +1,65 @@
+"""Prompts: the chat messages of an item, and their rendering with the model's own chat template.
+
+Two protocols (see PROTOCOL.md, "Prompts"):
+  - "default": one user turn. Math: the question, then the \\boxed{} instruction. GPQA: the opening
+    of the simple-evals instruction, the stem, the options as "A) ..." lines, then the rest of the
+    instruction, which asks for a last line "Answer: $LETTER".
+  - "lf_repo": the LongFlow authors' setting: their system prompt and the question alone as the user
+    turn. A GPQA question there is the stem and its options, with no answer-format instruction (the
+    grader also reads "\\boxed{X}"); the options are rendered as "A) ..." lines, after the seeded
+    shuffle, rather than the "A: ..." lines of the paper's file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from evals.datasets import KINDS, LETTERS, Item
+from longflow.errors import UserError
+
+PROTOCOLS = ("default", "lf_repo")
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+GPQA_OPENING = "Answer the following multiple choice question."
+GPQA_INSTRUCTION = (
+    "The last line of your response should be of the form 'Answer: $LETTER' (without quotes) where "
+    "LETTER is one of ABCD. Think step by step before answering."
+)
+LF_REPO_SYSTEM = "Please reason step by step, and must put your final answer within \\boxed{}"
+
+
+def build_messages(item: Item, kind: str, protocol: str = "default") -> list[dict[str, str]]:
+    """The chat messages (role, content) that ask `item` under `protocol`."""
+    if kind not in KINDS:
+        raise UserError(f"dataset kind must be one of {list(KINDS)}, got {kind!r}")
+    if protocol not in PROTOCOLS:
+        raise UserError(f"prompt protocol must be one of {list(PROTOCOLS)}, got {protocol!r}")
+    if kind == "gpqa":
+        if item.choices is None or len(item.choices) != len(LETTERS):
+            raise ValueError(f"item {item.id}: a GPQA item needs 4 choices, got {item.choices}")
+        options = "\n".join(f"{letter}) {choice}"
+                            for letter, choice in zip(LETTERS, item.choices, strict=True))
+        question = f"{item.question}\n\n{options}"
+    else:
+        question = item.question
+    if protocol == "lf_repo":
+        return [{"role": "system", "content": LF_REPO_SYSTEM}, {"role": "user", "content": question}]
+    if kind == "gpqa":
+        content = f"{GPQA_OPENING}\n\n{question}\n\n{GPQA_INSTRUCTION}"
+    else:
+        content = f"{question}\n{MATH_INSTRUCTION}"
+    return [{"role": "user", "content": content}]
+
+
+def render_prompt(tokenizer, messages: list[dict[str, str]], thinking: bool) -> list[int]:
+    """Prompt token ids from the tokenizer's chat template, generation prompt on.
+
+    `enable_thinking` reaches the template as a variable: Qwen3's template reads it, templates that
+    do not know it (R1-Distill's, which always opens "<think>\\n") ignore it.
+    """
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False, enable_thinking=thinking)
+    # transformers 5 returns a BatchEncoding unless told otherwise; accept one in case a tokenizer
+    # class overrides `return_dict`.
+    if isinstance(ids, Mapping):
+        ids = ids["input_ids"]
+    return [int(token) for token in ids]

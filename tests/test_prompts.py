@@ -1,0 +1,73 @@
+"""Prompts: the messages of each protocol, and their rendering with a chat template built in code."""
+
+from __future__ import annotations
+
+import pytest
+
+from evals.datasets import Item
+from evals.prompts import (
+    GPQA_INSTRUCTION,
+    GPQA_OPENING,
+    LF_REPO_SYSTEM,
+    MATH_INSTRUCTION,
+    build_messages,
+    render_prompt,
+)
+from longflow.errors import UserError
+from longflow.tokenizer import build_tokenizer
+
+MATH = Item(id="0", question="What is $1 + 1$?", gold="2")
+GPQA = Item(id="1", question="Which is a noble gas?", gold="C", choices=("N2", "O2", "Ar", "H2"))
+
+
+def test_math_default_is_the_question_then_the_box_instruction():
+    assert MATH_INSTRUCTION == "Please reason step by step, and put your final answer within \\boxed{}."
+    content = f"{MATH.question}\n{MATH_INSTRUCTION}"
+    assert build_messages(MATH, "math") == [{"role": "user", "content": content}]
+
+
+def test_gpqa_default_wraps_the_question_and_options_in_the_instruction():
+    assert f"{GPQA_OPENING} {GPQA_INSTRUCTION}" == (
+        "Answer the following multiple choice question. The last line of your response should be of the "
+        "form 'Answer: $LETTER' (without quotes) where LETTER is one of ABCD. Think step by step before "
+        "answering.")
+    (message,) = build_messages(GPQA, "gpqa")
+    assert message["role"] == "user"
+    assert message["content"] == (f"{GPQA_OPENING}\n\nWhich is a noble gas?\n\nA) N2\nB) O2\nC) Ar\nD) H2\n\n"
+                                  f"{GPQA_INSTRUCTION}")
+
+
+def test_lf_repo_is_the_authors_system_prompt_and_the_bare_question():
+    assert build_messages(MATH, "math", "lf_repo") == [
+        {"role": "system", "content": LF_REPO_SYSTEM}, {"role": "user", "content": MATH.question}]
+    assert LF_REPO_SYSTEM == "Please reason step by step, and must put your final answer within \\boxed{}"
+    system, user = build_messages(GPQA, "gpqa", "lf_repo")
+    assert user["content"] == "Which is a noble gas?\n\nA) N2\nB) O2\nC) Ar\nD) H2"
+
+
+def test_unknown_kind_or_protocol_is_a_user_error():
+    with pytest.raises(UserError, match="kind"):
+        build_messages(MATH, "code")
+    with pytest.raises(UserError, match="protocol"):
+        build_messages(MATH, "math", "chatml")
+    with pytest.raises(ValueError, match="4 choices"):
+        build_messages(MATH, "gpqa")
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_render_prompt_returns_plain_ids_of_the_template(thinking):
+    tokenizer = build_tokenizer(512, "qwen3")
+    messages = build_messages(MATH, "math")
+    ids = render_prompt(tokenizer, messages, thinking=thinking)
+    assert type(ids) is list and all(type(token) is int for token in ids)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         enable_thinking=thinking)
+    assert tokenizer.decode(ids) == text
+    assert text.endswith("<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n"))
+
+
+def test_render_prompt_r1_template_opens_the_thinking():
+    tokenizer = build_tokenizer(512, "r1_distill")
+    ids = render_prompt(tokenizer, build_messages(MATH, "math", "lf_repo"), thinking=True)
+    text = tokenizer.decode(ids)
+    assert text.startswith(tokenizer.bos_token + LF_REPO_SYSTEM) and text.endswith("<think>\n")
