@@ -1,0 +1,84 @@
+"""VATP: value-aware token pruning, H2O's received attention weighted by the value vector's norm.
+
+Guo et al. 2024, "Attention Score is not All You Need for Token Importance Indicator in KV Cache
+Reduction: Value Also Matters", EMNLP 2024, arXiv:2406.12335.
+
+Variants (`variant`):
+  - `paper`: score_j = ||v_j||_1 * (attention slot j has received, accumulated over every query so
+    far, prefill queries included, summed over the G query heads), per KV head. The first `n_sink`
+    (20) positions are always kept; of the remaining budget - n_sink slots, the last `recent`
+    tokens and the top `heavy` by score (heavy = recent = (budget - n_sink) / 2 by default).
+  - `lf_repo` (the LongFlow authors' baseline): score_j = (current-step attention summed over the
+    queries, mean over the query heads) * (mean over the KV heads of ||v_j||_2); one selection
+    shared by the heads of a layer; no sink protection (`n_sink` is ignored). METHODS.md names no
+    other split, so heavy and recent are as in the paper variant without sinks (budget / 2 each).
+
+Everything else (one eviction per step, budget accounting with the new token counted, prompt
+compression by the same rule on the prompt's column-summed attention, float32 scores) is H2O's,
+inherited from `baselines.h2o.H2OPolicy`, whose docstring states those deviations. Beyond them:
+  - The value norms are taken of the values as cached (the model dtype), accumulated in float32,
+    and computed once per token: when its value is written (prefill, or the decode step that writes
+    its slot), into a static `[B, Hkv, S]` buffer that moves with the slot like H2O's scores, so a
+    decode step does not read the whole value cache a second time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baselines.h2o import H2OPolicy
+from longflow.errors import UserError
+from longflow.policy import CacheSpec
+
+
+class VATPPolicy(H2OPolicy):
+    """VATP (see the module docstring). Fields: `variant`, `heavy_ratio`, `compress_every`, `n_sink`."""
+
+    name = "vatp"
+
+    def __init__(
+        self,
+        budget: int | None = None,
+        variant: str = "paper",
+        heavy_ratio: float = 0.5,
+        compress_every: int = 1,
+        n_sink: int = 20,
+    ):
+        if n_sink < 0:
+            raise UserError(f"{self.name}: n_sink must be >= 0, got {n_sink}")
+        self.n_sink = n_sink  # set first: H2O's constructor splits the budget after the sinks
+        super().__init__(budget, variant=variant, heavy_ratio=heavy_ratio, compress_every=compress_every)
+
+    @property
+    def sinks(self) -> int:
+        return self.n_sink if self.variant == "paper" else 0
+
+    def value_norms(self, values: torch.Tensor) -> torch.Tensor:
+        """values `[B, Hkv, N, D]` -> `[B, Hkv, N]` float32: ||v||_1 (paper) or ||v||_2 (lf_repo)."""
+        order = 1 if self.variant == "paper" else 2
+        return torch.linalg.vector_norm(values, ord=order, dim=-1, dtype=torch.float32)
+
+    def score(self, attention: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+        """attention `[B, Hkv, N]` (summed over each group's query heads), norms `[B, Hkv, N]`."""
+        if not self.shared_selection:
+            return attention * norms  # per KV head
+        mean_attention = attention.sum(dim=1, keepdim=True) / self.spec.q_heads  # [B, 1, N]
+        return (mean_attention * norms.mean(dim=1, keepdim=True)).expand_as(attention)
+
+    # ---- the norm of each held value, kept per slot -------------------------------------------
+
+    def allocate(self, spec: CacheSpec) -> None:
+        super().allocate(spec)
+        shape = (spec.batch, spec.kv_heads, self.capacity(spec))
+        self.norms = [torch.zeros(shape, dtype=torch.float32, device=spec.device) for _ in range(spec.layers)]
+
+    def on_prompt_stored(self, layer: int, kept: torch.Tensor) -> None:
+        super().on_prompt_stored(layer, kept)
+        self.norms[layer].copy_(self.value_norms(self.layers[layer].values))  # free slots: 0
+
+    def held_value_norms(self, layer: int) -> torch.Tensor:
+        """Refreshes the slot written this step (still `next_slot`), then returns `[B, Hkv, S]`."""
+        slots, index = self.layers[layer], self.next_slot[layer]  # index [B, Hkv]
+        written = slots.values.gather(2, index[..., None, None].expand(-1, -1, 1, slots.values.shape[-1]))
+        self.norms[layer].scatter_(2, index[..., None], self.value_norms(written))  # [B, Hkv, 1]
+        return self.norms[layer]
