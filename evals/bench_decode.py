@@ -52,7 +52,7 @@ def bench_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda
         "step_ms_p50": float(np.percentile(steps, 50) * 1e3), "step_ms_p99": float(np.percentile(steps, 99) * 1e3),
         "ttft_s": result.prefill_seconds,
         "peak_memory_gb": result.peak_memory_bytes / 2**30 if result.peak_memory_bytes else None,
-        "peak_kv_slots": max(result.peak_slots), "cuda_graph": result.cuda_graph,
+        "peak_kv_slots": max(result.peak_slots), "cuda_graph": result.cuda_graph, "new_tokens": new_tokens,
     }
 
 
@@ -82,7 +82,7 @@ def bench_hf_generate(model, prompts, new_tokens: int) -> dict:
         "method": "hf_generate (vanilla)", "budget": None, "tokens_per_s": len(prompts) * new_tokens / total,
         "step_ms_p50": step * 1e3, "step_ms_p99": None, "ttft_s": prefill,
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "peak_kv_slots": None, "cuda_graph": False,
+        "peak_kv_slots": None, "cuda_graph": False, "new_tokens": new_tokens,
     }
 
 
@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: the model config's")
     parser.add_argument("--no-cuda-graph", action="store_true")
     parser.add_argument("--hf-generate", action="store_true", help="also time model.generate")
+    parser.add_argument("--hf-new", type=int, default=None,
+                        help="new tokens for model.generate (default --new); its step time barely depends on it")
     parser.add_argument("--out", default="results/bench_decode.csv")
     args = parser.parse_args()
 
@@ -115,7 +117,7 @@ def main() -> None:
         rows.append(bench_engine(model, method, args.budget, prompts, args.new, not args.no_cuda_graph))
         print(rows[-1], flush=True)
     if args.hf_generate:
-        rows.append(bench_hf_generate(model, prompts, args.new))
+        rows.append(bench_hf_generate(model, prompts, args.hf_new or args.new))
         print(rows[-1], flush=True)
 
     table = pd.DataFrame(rows)
