@@ -1,0 +1,369 @@
+"""R-KV: equality with the full cache, the budget at every step, and the scores against a plain
+transcription of METHODS.md (loops over rows and heads, written independently of baselines/rkv.py)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import tiny_model
+
+from baselines.rkv import RKVPolicy
+from baselines.vanilla import VanillaPolicy
+from longflow.config import GenerationConfig
+from longflow.engine import Engine
+from longflow.methods import build_policy
+from longflow.policy import CacheSpec
+
+VARIANTS = ("paper", "lf_repo")
+MODES = ("cap", "target")
+# Small-budget settings: compressions every few steps, prompts longer than the budget.
+SMALL = {
+    "paper": dict(budget=24, compress_every=8),
+    "lf_repo": dict(budget=32, compress_every=8, lf_protect=9),
+}
+PROMPT_LENGTHS = (7, 40, 19)
+
+
+def prompts(lengths=PROMPT_LENGTHS):
+    return [[5 + (7 * i + 3 * n) % 300 for i in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny_model("qwen3")  # GQA: 8 query heads over 2 KV heads
+
+
+# ---- end to end ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget_mode", MODES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_large_budget_matches_vanilla(tiny, variant, budget_mode):
+    model, tokenizer = tiny
+    generation = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    batch = prompts((7, 30, 18))
+    full = Engine(model, VanillaPolicy, [], tokenizer.pad_token_id).generate(batch, generation, [0, 1, 2])
+    policy = lambda: RKVPolicy(512, variant=variant, budget_mode=budget_mode)  # noqa: E731
+    result = Engine(model, policy, [], tokenizer.pad_token_id).generate(batch, generation, [0, 1, 2])
+    assert result.tokens == full.tokens
+    assert result.peak_slots == [len(p) + 23 for p in batch]
+
+
+class CheckedRKV(RKVPolicy):
+    """Asserts the slot invariants after every store, attention and compression."""
+
+    def allocate(self, spec):
+        super().allocate(spec)
+        self.limit = self.budget if self.budget_mode == "cap" else self.budget + self.compress_every - 1
+        self.cuts = [0] * spec.batch
+        self.prefill_cut = False
+
+    def store(self, layer, k, v):
+        out = super().store(layer, k, v)
+        self.check(layer)
+        return out
+
+    def attend(self, layer, q, k, v, scale):
+        if self.prefilling and any(self.prompt_cut(n) for n in self.prompt_lens):
+            self.prefill_cut = True
+        out = super().attend(layer, q, k, v, scale)
+        self.check(layer)
+        return out
+
+    def after_step(self, step):
+        before = list(self.held)
+        super().after_step(step)
+        self.cuts = [c + (n < b + 1) for c, n, b in zip(self.cuts, self.held, before, strict=True)]
+        for layer, slots in enumerate(self.layers):
+            self.check(layer)
+            counts = slots.valid.sum(dim=-1)  # [B, Hkv]
+            assert counts.eq(torch.tensor(self.held)[:, None]).all(), "host count != slots held"
+            newest = self.positions  # the next token's position: the previous ones must be held
+            for back in range(1, self.protect + 1):
+                wanted = (newest - back)[:, None, None]
+                assert ((slots.positions == wanted).any(-1) | (wanted < 0).squeeze(-1)).all()
+
+    def check(self, layer):
+        slots = self.layers[layer]
+        held = slots.valid.sum(dim=-1)
+        assert int(held.max()) <= self.limit
+        # Held slots are the low ones, in position order (so free slots are the high ones).
+        index = torch.arange(slots.slots)
+        assert slots.valid.eq(index < held[..., None]).all()
+        ordered = slots.positions[..., 1:] > slots.positions[..., :-1]
+        assert (ordered | ~slots.valid[..., 1:]).all()
+        assert slots.positions.masked_select(~slots.valid).eq(-1).all()
+        if self.shared_selection:
+            assert slots.positions.eq(slots.positions[:, :1]).all()
+
+
+@pytest.mark.parametrize("budget_mode", MODES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_small_budget_never_exceeded(qwen3, variant, budget_mode):
+    model, tokenizer = qwen3
+    made = []
+
+    def factory():
+        made.append(CheckedRKV(variant=variant, budget_mode=budget_mode, **SMALL[variant]))
+        return made[-1]
+
+    generation = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    result = Engine(model, factory, [], tokenizer.pad_token_id).generate(prompts(), generation, [0, 1, 2])
+    policy = made[0]
+    assert policy.prefill_cut  # the 40-token prompt exceeds the budget
+    assert all(cuts >= 2 for cuts in policy.cuts)
+    assert max(result.peak_slots) <= policy.limit
+    if budget_mode == "cap":
+        assert max(result.peak_slots) == SMALL[variant]["budget"]
+
+
+def test_rows_are_cut_independently(qwen3):
+    """A row's tokens do not depend on its batch-mates: each row is cut when its own cache is full."""
+    model, tokenizer = qwen3
+    engine = Engine(model, lambda: RKVPolicy(**SMALL["paper"]), [], tokenizer.pad_token_id)
+    generation = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+    batch = engine.generate(prompts(), generation, [0, 1, 2]).tokens
+    alone = [engine.generate([p], generation, [0]).tokens[0] for p in prompts()]
+    assert batch == alone
+
+
+def test_config_builds_the_policy():
+    path = Path(__file__).resolve().parents[1] / "conf" / "method" / "rkv.yaml"
+    fields = yaml.safe_load(path.read_text())
+    assert fields.pop("name") == "rkv"
+    policy = build_policy("rkv", 512, **fields)
+    assert isinstance(policy, RKVPolicy)
+    assert (policy.variant, policy.queries_held, policy.kernel, policy.lam) == ("paper", 8, 7, 0.1)
+    assert (policy.slots, policy.keep_after, policy.shared_selection) == (512, 384, False)
+    lf = RKVPolicy(512, variant="lf_repo")
+    lf_fields = (lf.queries_held, lf.kernel, lf.protect, lf.keep_after, lf.shared_selection)
+    assert lf_fields == (9, 5, 128, 380, True)
+    target = RKVPolicy(512, budget_mode="target")
+    assert (target.slots, target.keep_after) == (639, 512)
+
+
+@pytest.mark.parametrize("bad", [dict(variant="x"), dict(budget_mode="x"), dict(budget=130), dict(kernel=4),
+                                 dict(budget=None), dict(budget_mode="target", compress_every=1)])
+def test_invalid_settings(bad):
+    with pytest.raises(ValueError):
+        RKVPolicy(**{"budget": 512, **bad})
+
+
+# ---- scores against METHODS.md -------------------------------------------------------------------
+
+
+def reference_scores(queries, query_valid, keys, held, scale, protect, kernel, lam, threshold, variant):
+    """METHODS.md, transcribed with loops. Held slots are contiguous and in position order; the last
+    W slots are the window queries' own tokens. Returns float64 `[B, Hkv, S]` (nan = not a candidate)."""
+    batch, q_heads, window, _ = queries.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    group = q_heads // kv_heads
+    queries, keys = queries.double(), keys.double()
+    out = torch.full((batch, kv_heads, slots), float("nan"), dtype=torch.float64)
+    for b in range(batch):
+        for h in range(kv_heads):
+            tokens = [j for j in range(slots) if held[b, h, j]]
+            older = [j for j in tokens if j < slots - window]
+            candidates = [j for j in tokens if j < slots - protect]
+            if not candidates:
+                continue
+            # Importance: max over the group's query heads of the logits, softmax over keys[:-W].
+            used = [t for t in range(window) if query_valid[b, t]]
+            importance = torch.zeros(len(older), dtype=torch.float64)
+            for t in used:
+                logits = torch.tensor([
+                    max(float(queries[b, h * group + g, t] @ keys[b, h, j]) for g in range(group)) * scale
+                    for j in older
+                ], dtype=torch.float64)
+                importance += torch.softmax(logits, dim=0)
+            if variant == "paper":
+                importance /= len(used)
+            half = kernel // 2
+            pooled = [max(importance[max(0, i - half):i + half + 1]) for i in range(len(older))]
+            # Redundancy over all held keys.
+            ks = keys[b, h, tokens]
+            if variant == "paper":
+                unit = ks / (ks.norm(dim=-1, keepdim=True) + 1e-8)
+            else:
+                unit = ks / ks.norm(dim=-1, keepdim=True) ** 2
+            sim = unit @ unit.T
+            if variant == "paper":
+                for i in range(len(tokens)):
+                    sim[i, i] = 0.0
+                for i in range(len(tokens)):
+                    duplicates = [j for j in range(len(tokens)) if sim[i, j] > threshold]
+                    if duplicates:
+                        sim[i, max(duplicates)] = 0.0  # the most recent duplicate is kept
+            redundancy = torch.softmax(sim.mean(dim=0), dim=0)
+            for i, j in enumerate(candidates):
+                out[b, h, j] = lam * pooled[i] - (1 - lam) * redundancy[tokens.index(j)]
+    if variant == "lf_repo":
+        out = out.mean(dim=1, keepdim=True).expand_as(out).clone()
+    return out
+
+
+def random_case(seed, q_heads, kv_heads, slots, window, pads, duplicates=True):
+    generator = torch.Generator().manual_seed(seed)
+    batch, dim = len(pads), 16
+    queries = torch.randn(batch, q_heads, window, dim, generator=generator)
+    # A shared direction makes many pairs exceed the 0.5 cosine threshold, some not.
+    common = torch.randn(batch, kv_heads, 1, dim, generator=generator)
+    share = torch.rand(batch, kv_heads, slots, 1, generator=generator) < 0.6
+    keys = share * common + 0.9 * torch.randn(batch, kv_heads, slots, dim, generator=generator)
+    if duplicates:  # exact duplicates (cosine 1, ties among the duplicates of a row)
+        keys[:, :, 9] = keys[:, :, 4]
+        keys[:, :, 12] = 2 * keys[:, :, 4]
+        keys[:, :, 15] = keys[:, :, 6]
+    held = (torch.arange(slots) >= torch.tensor(pads)[:, None])[:, None, :].expand(batch, kv_heads, slots)
+    query_valid = torch.ones(batch, window, dtype=torch.bool)
+    return queries, query_valid, keys, held
+
+
+def assert_scores_match(scores, reference, held, protect):
+    slots = scores.shape[-1]
+    candidate = ~reference.isnan()
+    torch.testing.assert_close(scores[candidate].double(), reference[candidate], atol=1e-5, rtol=1e-4)
+    protected = held & (torch.arange(slots) >= slots - protect)
+    assert scores[protected].eq(float("inf")).all()
+    assert scores[~held].eq(float("-inf")).all()
+    assert candidate.eq(held & ~protected).all()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("heads", [(2, 2), (8, 2)])
+def test_scores_match_reference(variant, heads):
+    from baselines.rkv import rkv_scores
+
+    window, protect, kernel = (8, 8, 7) if variant == "paper" else (9, 12, 5)
+    queries, query_valid, keys, held = random_case(0, *heads, slots=40, window=window, pads=[0, 3, 11])
+    scores = rkv_scores(queries, query_valid, keys, held, 0.25, protect=protect, kernel=kernel, lam=0.1,
+                        threshold=0.5, variant=variant)
+    reference = reference_scores(queries, query_valid, keys, held, 0.25, protect, kernel, 0.1, 0.5, variant)
+    assert_scores_match(scores, reference, held, protect)
+
+
+def test_scores_reach_the_threshold_rule():
+    """The case exercises duplicates: some rows have several keys above the threshold, some none."""
+    queries, query_valid, keys, held = random_case(0, 8, 2, slots=40, window=8, pads=[0, 3, 11])
+    unit = keys / keys.norm(dim=-1, keepdim=True)
+    sim = unit @ unit.transpose(-1, -2) - torch.eye(40)
+    above = (sim > 0.5).sum(dim=-1)
+    assert (above >= 2).any() and (above == 0).any()
+
+
+def make_policy(variant, **kwargs):
+    params = dict(budget=24, compress_every=8) if variant == "paper" else dict(
+        budget=40, compress_every=8, lf_protect=12)
+    policy = RKVPolicy(variant=variant, **{**params, **kwargs})
+    spec = CacheSpec(batch=3, layers=2, q_heads=8, kv_heads=2, head_dim=16, prompt_len=30, max_new_tokens=8,
+                     dtype=torch.float32, device=torch.device("cpu"))
+    policy.allocate(spec)
+    return policy
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decode_compression_keeps_the_top_scored(variant, chunked, monkeypatch):
+    if chunked:  # one (layer, row) per scoring call instead of all layers and rows at once
+        monkeypatch.setattr("baselines.rkv.SCORE_BYTES", 1)
+    policy = make_policy(variant)
+    slots_n, window = policy.slots, policy.queries_held
+    generator = torch.Generator().manual_seed(1)
+    offsets = torch.tensor([30, 7, 55])
+    saved = []
+    for layer, slots in enumerate(policy.layers):
+        queries, _, keys, _ = random_case(layer, 8, 2, slots=slots_n, window=window, pads=[0, 0, 0])
+        slots.keys.copy_(keys)
+        slots.values.copy_(torch.randn(slots.values.shape, generator=generator))
+        slots.valid.fill_(True)
+        slots.positions.copy_((offsets[:, None] + torch.arange(slots_n))[:, None, :].expand(3, 2, -1))
+        policy.rings[layer].copy_(queries)
+        names = ("keys", "values", "valid", "positions")
+        saved.append({name: getattr(slots, name).clone() for name in names})
+    policy.compress([0, 2])
+
+    every = torch.ones(3, window, dtype=torch.bool)
+    for layer, slots in enumerate(policy.layers):
+        before = saved[layer]
+        for name in before:  # row 1 was not full: untouched
+            assert getattr(slots, name)[1].equal(before[name][1])
+        reference = reference_scores(policy.rings[layer], every, before["keys"], before["valid"],
+                                     policy.scale, policy.protect, policy.kernel, policy.lam,
+                                     policy.threshold, variant)
+        for row in (0, 2):
+            for head in range(2):
+                n = policy.keep_after
+                assert slots.valid[row, head, :n].all() and not slots.valid[row, head, n:].any()
+                kept_positions = slots.positions[row, head, :n]
+                kept = kept_positions - offsets[row]  # original slot of each kept token
+                assert (kept[1:] > kept[:-1]).all()
+                assert slots.keys[row, head, :n].equal(before["keys"][row, head, kept])
+                assert slots.values[row, head, :n].equal(before["values"][row, head, kept])
+                assert set(range(slots_n - policy.protect, slots_n)) <= set(kept.tolist())
+                score = reference[row, head]
+                chosen = torch.zeros(slots_n, dtype=torch.bool)
+                chosen[kept] = True
+                candidate = ~score.isnan()
+                assert int((chosen & candidate).sum()) == n - policy.protect
+                assert score[chosen & candidate].min() >= score[~chosen & candidate].max() - 1e-6
+            if variant == "lf_repo":
+                assert slots.positions[row, 0].equal(slots.positions[row, 1])
+        assert policy.next_slot[layer][[0, 2]].eq(policy.keep_after).all()
+
+
+@pytest.mark.parametrize("budget_mode", MODES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_prefill_compression_keeps_the_top_scored(variant, budget_mode):
+    """cap: the padded prompt exceeds the slots (the base class selects first); target: it fits in
+    the slots but its rows exceed the target (only `on_prompt_stored` cuts)."""
+    policy = make_policy(variant, budget_mode=budget_mode)
+    extra = policy.slots if budget_mode == "cap" else policy.keep_after
+    batch, length, window = 3, extra + 6, policy.queries_held
+    generator = torch.Generator().manual_seed(2)
+    lengths = torch.tensor([length, length - 4, 5])  # row 2 is shorter than the window
+    pad = torch.arange(length) >= (length - lengths)[:, None]
+    positions = (pad.long().cumsum(-1) - 1).clamp(min=0)
+    q = torch.randn(batch, 8, length, 16, generator=generator)
+    k = torch.randn(batch, 2, length, 16, generator=generator)
+    k = k + torch.randn(batch, 2, 1, 16, generator=generator)  # correlated keys: duplicates
+    v = torch.randn(batch, 2, length, 16, generator=generator)
+    policy.begin_prefill(pad, positions)
+    policy.attend(0, q, k, v, 0.25)
+    slots, keep = policy.layers[0], policy.keep_after
+    assert policy.prompt_cut(length) and policy.prompt_cut(length - 4) and not policy.prompt_cut(5)
+
+    held = pad[:, None, :].expand(batch, 2, length)
+    query_valid = pad[:, -window:]
+    reference = reference_scores(q[:, :, -window:], query_valid, k, held, 0.25, policy.protect, policy.kernel,
+                                 policy.lam, policy.threshold, variant)
+    for row in range(batch):
+        n = min(keep, int(lengths[row]))
+        for head in range(2):
+            assert slots.valid[row, head, :n].all() and not slots.valid[row, head, n:].any()
+            kept_positions = slots.positions[row, head, :n]
+            kept = kept_positions + (length - lengths[row])  # index in the padded prompt
+            assert (kept_positions[1:] > kept_positions[:-1]).all()
+            assert slots.keys[row, head, :n].equal(k[row, head, kept])
+            protected = range(length - min(policy.protect, int(lengths[row])), length)
+            assert set(protected) <= set(kept.tolist())
+            score = reference[row, head]
+            chosen = torch.zeros(length, dtype=torch.bool)
+            chosen[kept] = True
+            candidate = ~score.isnan()
+            if candidate.any() and (~chosen & candidate).any():
+                assert score[chosen & candidate].min() >= score[~chosen & candidate].max() - 1e-6
+    # The query ring holds each row's newest prompt queries at slot position mod W.
+    ring = policy.rings[0]
+    for row in range(batch):
+        for t in range(max(0, int(lengths[row]) - window), int(lengths[row])):
+            assert ring[row, :, t % window].equal(q[row, :, length - int(lengths[row]) + t])
+
+
+def test_softmax_scale_convention():
+    """Sanity: the default scale is 1/sqrt(D), the models' own."""
+    policy = make_policy("paper")
+    assert math.isclose(policy.scale, 16 ** -0.5)
