@@ -16,6 +16,8 @@ P protected newest tokens, D head dim.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -186,12 +188,22 @@ class RKVPolicy(KVPolicy):
             raise ValueError(f"rkv lam must be in [0, 1], got {lam}")
         if compress_every < 1:
             raise ValueError(f"rkv compress_every must be >= 1, got {compress_every}")
+        paper = variant == "paper"
+        protected = window if paper else lf_protect
+        margin = 0 if paper else lf_margin
+        if budget_mode == "cap" and budget - compress_every - margin <= protected:
+            # A budget below the interval (the demo's, a small sweep point) could never be cut; the
+            # interval, and lf_repo's protected tail that equals it, shrink to a quarter of the budget.
+            shrunk = max(2, budget // 4)
+            warnings.warn(f"rkv: budget {budget} leaves no room for compress_every={compress_every}; "
+                          f"using {shrunk}", stacklevel=2)
+            compress_every = shrunk
+            lf_protect = max(min(lf_protect, shrunk), lf_queries)
         self.variant = variant
         self.budget_mode = budget_mode
         self.lam = lam
         self.threshold = threshold
         self.compress_every = compress_every
-        paper = variant == "paper"
         self.queries_held = window if paper else lf_queries  # W
         self.kernel = kernel if paper else lf_kernel
         self.protect = window if paper else lf_protect  # P

@@ -146,11 +146,19 @@ def test_config_builds_the_policy():
     assert (target.slots, target.keep_after) == (639, 512)
 
 
-@pytest.mark.parametrize("bad", [dict(variant="x"), dict(budget_mode="x"), dict(budget=130), dict(kernel=4),
+@pytest.mark.parametrize("bad", [dict(variant="x"), dict(budget_mode="x"), dict(budget=8), dict(kernel=4),
                                  dict(budget=None), dict(budget_mode="target", compress_every=1)])
 def test_invalid_settings(bad):
     with pytest.raises(ValueError):
         RKVPolicy(**{"budget": 512, **bad})
+
+
+@pytest.mark.parametrize("variant", ["paper", "lf_repo"])
+def test_budget_below_the_interval_shrinks_it(variant):
+    with pytest.warns(UserWarning, match="using 16"):
+        policy = RKVPolicy(64, variant=variant)
+    assert policy.compress_every == 16 and policy.slots == 64
+    assert policy.protect < policy.keep_after < policy.slots
 
 
 # ---- scores against METHODS.md -------------------------------------------------------------------
