@@ -32,6 +32,8 @@ test-fast: $(STAMP)  ## without the end-to-end runs marked slow
 demo: $(STAMP)  ## every method on the tiny model and the embedded demo set, then the table and a plot
 	$(PY) -m evals.run -m experiment=demo method=vanilla,streaming,h2o,vatp,rkv,longflow
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table
+	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_kv_slots --metric peak_kv_slots
+	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_tokens_per_s --metric tokens_per_second
 	$(PY) -m evals.figures --runs results/demo/runs --out results/demo
 
 table1: $(STAMP)  ## the paper's Table 1: R1-Distill-Llama-8B, budget 2400, every method, eight datasets (GPU + hub)

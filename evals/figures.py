@@ -131,6 +131,7 @@ def plot_accuracy(runs: pd.DataFrame, out_dir: Path) -> Path:
             size = cell["dataset_size"].max()
             ax.set_title(f"{model}: {dataset}" + ("" if pd.isna(size) else f" ({int(size)})"), fontsize=10)
             ax.set_ylabel("accuracy (%)")
+            ax.set_ylim(bottom=0)
     add_legend(figure, runs)
     return save(figure, out_dir / "accuracy_vs_budget.png")
 
@@ -178,6 +179,7 @@ def plot_methods(runs: pd.DataFrame, out_dir: Path) -> Path:
                    edgecolor="white")
         ax.set_xticks(range(len(order)), order)
         ax.set_ylabel("accuracy (%)")
+        ax.set_ylim(0, max(100.0, float(accuracy.max().max()) if accuracy.size else 0.0))
         ax.set_title(f"{model}: accuracy, {budget}", fontsize=10)
         speed = data.groupby("series", sort=False)["tokens_per_second"].mean().reindex(series)
         ax = axes[i][1]
