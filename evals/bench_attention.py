@@ -1,0 +1,308 @@
+"""Latency of one decode attention call per method: the LongFlow paper's Figure 1, and the grid.
+
+    python -m evals.bench_attention [--batches 1 16 64 128] [--slots 1024 3200 8192] [--out results/]
+    python -m evals.bench_attention --quick      # batches 1 and 128 at 3200 slots
+    python -m evals.bench_attention --sweep      # time LaunchConfig variants of the fused kernel
+
+Methods, on the same random cache at Qwen3-8B shapes (32 query heads, 8 KV heads, head dim 128, bf16):
+  - `sdpa`: `F.scaled_dot_product_attention` with `enable_gqa` and no mask, under the flash backend
+    when it accepts the call (the backend used is recorded): the attention floor of a full cache.
+  - `h2o`: `longflow.attention.decode_attention` plus what H2O adds per step: the probabilities
+    summed over each KV head's group, added into a running `[B, Hkv, S]` float32 score, and the
+    argmin over valid slots.
+  - `longflow_fused`: the Triton kernel (`longflow.kernels.longflow_attention`).
+  - `longflow_reference`: its plain PyTorch reference.
+The policies see about 3% invalid slots (left padding). Timing: the calls of one method on several
+input sets (enough sets to hold over 3x the L2 cache, so each replay reads from memory, as a real
+decode step does) are captured in one CUDA graph; the time per call is the median over graph
+replays divided by the number of sets. The graph removes the host's launch cost, as the engine's
+graph-captured decode step does. Next to each time: the memory floor, the bytes of K, V and the
+mask read once over the device-to-device copy bandwidth measured in the same run.
+
+Imports neither Hydra nor datasets: it runs on a bare GPU machine with torch and triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import math
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from longflow.attention import decode_attention
+from longflow.kernels import reference
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B
+DTYPE = torch.bfloat16
+METHODS = ("sdpa", "h2o", "longflow_fused", "longflow_reference")
+FIGURE_POINT = (128, 3200)  # the paper's Figure 1: batch 128, 3200 slots
+ROTATION_BYTES = 192 * 2**20  # input sets per timing hold at least this much (H200 L2: 60 MB)
+REPLAYS = 30
+
+
+def median_ms(fn) -> float:
+    """Median of `triton.testing.do_bench` (L2 flushed before each call): host launch cost included."""
+    import triton.testing
+
+    fn()  # compile / warm up outside the timing
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def graph_ms(calls, replays: int = REPLAYS) -> float:
+    """Median time of one call: `calls` (one per input set) captured in one CUDA graph and replayed."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture, as PyTorch advises
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / len(calls)
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Bytes per second of a large device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def make_cache(batch: int, slots: int, device: torch.device, seed: int = 0):
+    """Random q `[B, Hq, D]`, k, v `[B, Hkv, S, D]`, and valid `[B, S]` with up to 6% left padding."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
+    k = torch.randn(batch, KV_HEADS, slots, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
+    v = torch.randn(batch, KV_HEADS, slots, HEAD_DIM, generator=gen, device=device, dtype=DTYPE)
+    pad = torch.randint(0, max(1, slots * 6 // 100), (batch,), generator=gen, device=device)
+    valid = torch.arange(slots, device=device)[None, :] >= pad[:, None]
+    return q, k, v, valid
+
+
+def cache_sets(batch: int, slots: int, device: torch.device) -> list[tuple]:
+    """Enough independent input sets that one pass over them overflows the L2 cache."""
+    count = max(1, min(64, math.ceil(ROTATION_BYTES / floor_bytes(batch, slots))))
+    return [make_cache(batch, slots, device, seed) for seed in range(count)]
+
+
+def sdpa_call(q, k, v):
+    """`(call, backend name)`: SDPA under the flash backend if it takes the call, else the default."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q4 = q[:, :, None]  # [B, Hq, 1, D]
+
+    def plain():
+        return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
+
+    def flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return plain()
+
+    try:
+        flash()
+        return flash, "flash"
+    except RuntimeError:
+        return plain, "default"
+
+
+def h2o_call(q, k, v, valid):
+    """H2O's decode step: attention with probabilities, accumulated per KV head, and the argmin."""
+    received = torch.zeros(k.shape[:3], dtype=torch.float32, device=k.device)  # [B, Hkv, S]
+    valid3d = valid[:, None, :]
+    scale = HEAD_DIM**-0.5
+
+    def step():
+        out, probs = decode_attention(q, k, v, valid3d, scale)  # probs [B, Hkv, G, S]
+        received.add_(probs.sum(dim=2))
+        next_slot = received.masked_fill(~valid3d, float("-inf")).argmin(dim=-1)
+        return out, next_slot
+
+    return step
+
+
+def floor_bytes(batch: int, slots: int) -> int:
+    """K and V read once, the mask once, q read and out written."""
+    return 2 * batch * KV_HEADS * slots * HEAD_DIM * 2 + batch * slots + 2 * batch * Q_HEADS * HEAD_DIM * 2
+
+
+def method_calls(method: str, q, k, v, valid):
+    """`(call, backend)` of one method on one input set."""
+    from longflow.kernels import longflow_attention
+
+    scale = HEAD_DIM**-0.5
+    if method == "sdpa":
+        return sdpa_call(q, k, v)
+    if method == "h2o":
+        return h2o_call(q, k, v, valid), "torch"
+    if method == "longflow_fused":
+        return (lambda: longflow_attention(q, k, v, valid, scale)), "triton"
+    return (lambda: reference(q, k, v, valid, scale)), "torch"
+
+
+def measure_point(batch: int, slots: int, methods, bandwidth: float, device: torch.device) -> list[dict]:
+    """One grid point: every method on the same caches."""
+    sets = cache_sets(batch, slots, device)
+    floor_ms = floor_bytes(batch, slots) / bandwidth * 1e3
+    times, backends = {}, {}
+    for method in methods:
+        calls = [method_calls(method, *inputs) for inputs in sets]
+        backends[method] = calls[0][1]
+        times[method] = graph_ms([call for call, _ in calls])
+        torch.cuda.empty_cache()
+    return [
+        dict(batch=batch, slots=slots, method=method, backend=backends[method], ms=round(ms, 5),
+             floor_ms=round(floor_ms, 5), x_floor=round(ms / floor_ms, 3),
+             x_sdpa=round(ms / times["sdpa"], 3) if "sdpa" in times else None,
+             copy_tb_s=round(bandwidth / 1e12, 3), input_sets=len(sets), timer="cuda_graph")
+        for method, ms in times.items()
+    ]
+
+
+def run_grid(batches, slot_counts, methods, device) -> list[dict]:
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write, {torch.cuda.get_device_name(device)})")
+    rows = []
+    for batch, slots in itertools.product(batches, slot_counts):
+        rows += measure_point(batch, slots, methods, bandwidth, device)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    methods = list(dict.fromkeys(row["method"] for row in rows))
+    points = list(dict.fromkeys((row["batch"], row["slots"]) for row in rows))
+    by_key = {(row["batch"], row["slots"], row["method"]): row for row in rows}
+    header = f"{'batch':>5} {'slots':>5} {'floor ms':>9} " + " ".join(f"{m:>18}" for m in methods)
+    if "longflow_fused" in methods and "sdpa" in methods:
+        header += f" {'fused/sdpa':>10}"
+    print(header)
+    for batch, slots in points:
+        first = by_key[(batch, slots, methods[0])]
+        line = f"{batch:>5} {slots:>5} {first['floor_ms']:>9.4f} "
+        line += " ".join(f"{by_key[(batch, slots, m)]['ms']:>18.4f}" for m in methods)
+        if "longflow_fused" in methods and "sdpa" in methods:
+            line += f" {by_key[(batch, slots, 'longflow_fused')]['x_sdpa']:>10.3f}"
+        print(line)
+    sdpa_backends = {row["backend"] for row in rows if row["method"] == "sdpa"}
+    if sdpa_backends:
+        print(f"sdpa backend: {', '.join(sorted(sdpa_backends))}; ms per call, median of CUDA-graph replays")
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Panel 1: H2O vs LongFlow at the Figure 1 point (or the nearest measured); panel 2: fused/SDPA."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = list(dict.fromkeys((row["batch"], row["slots"]) for row in rows))
+    point = min(points, key=lambda p: (abs(p[0] - FIGURE_POINT[0]), abs(p[1] - FIGURE_POINT[1])))
+    at_point = {row["method"]: row["ms"] for row in rows if (row["batch"], row["slots"]) == point}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw=dict(width_ratios=[1, 2]))
+    labels = [m for m in ("h2o", "longflow_fused", "sdpa") if m in at_point]
+    names = {"h2o": "H2O", "longflow_fused": "LongFlow (fused)", "sdpa": "SDPA flash\n(no eviction)"}
+    bars = axes[0].bar([names[m] for m in labels], [at_point[m] for m in labels],
+                       color=["tab:gray", "tab:red", "tab:blue"][: len(labels)])
+    axes[0].bar_label(bars, fmt="%.3f ms")
+    axes[0].set_ylabel("latency of one decode attention call (ms)")
+    axes[0].set_title(f"batch {point[0]}, {point[1]} KV slots, Qwen3-8B shapes")
+
+    ratios = [(row["batch"], row["slots"], row["x_sdpa"]) for row in rows
+              if row["method"] == "longflow_fused" and row.get("x_sdpa")]
+    if ratios:
+        slot_counts = sorted({s for _, s, _ in ratios})
+        batches = sorted({b for b, _, _ in ratios})
+        width = 0.8 / len(slot_counts)
+        for i, slots in enumerate(slot_counts):
+            values = [next((r for b2, s2, r in ratios if b2 == b and s2 == slots), 0) for b in batches]
+            axes[1].bar([x + i * width for x in range(len(batches))], values, width, label=f"{slots} slots")
+        axes[1].axhline(1.1, color="k", linestyle="--", linewidth=1, label="1.1x target")
+        axes[1].set_xticks([x + width * (len(slot_counts) - 1) / 2 for x in range(len(batches))])
+        axes[1].set_xticklabels([f"batch {b}" for b in batches])
+        axes[1].set_ylabel("LongFlow fused / SDPA flash")
+        axes[1].set_title("fused kernel time over SDPA's, every grid point")
+        axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+
+
+def sweep_point(batch: int, slots: int, device: torch.device) -> None:
+    """Times LaunchConfig variants at one shape, one parameter at a time around the heuristic."""
+    from dataclasses import replace
+
+    from longflow.kernels.longflow_attention import _multiprocessors, _run, default_config
+
+    sets = cache_sets(batch, slots, device)
+    scale = HEAD_DIM**-0.5
+    sdpa_ms = graph_ms([sdpa_call(q, k, v)[0] for q, k, v, _ in sets])
+    base = default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, _multiprocessors(device))
+    variants = [base, replace(base, vnorm="reduce"), replace(base, block_n=32), replace(base, num_stages=4)]
+    variants += [replace(base, splits=base.splits * 2), replace(base, splits=max(1, base.splits // 2))]
+    variants += [replace(base, score_splits=base.score_splits * 2),
+                 replace(base, score_splits=max(1, base.score_splits // 2)), replace(base, scratch="fp16")]
+    for config in dict.fromkeys(variants):
+        full = graph_ms([lambda c=config, i=inputs: _run(*i, scale, None, c) for inputs in sets])
+        attn = graph_ms([lambda c=config, i=inputs: _run(*i, scale, None, c, attention_only=True) for inputs in sets])
+        print(f"{batch:>5} {slots:>5} {sdpa_ms:>8.4f} {full:>8.4f} {attn:>8.4f} {full / sdpa_ms:>7.3f}  {config}",
+              flush=True)
+    torch.cuda.empty_cache()
+
+
+def sweep(device: torch.device, points) -> None:
+    print(f"{'batch':>5} {'slots':>5} {'sdpa':>8} {'ms':>8} {'attn':>8} {'x_sdpa':>7}  config")
+    for batch, slots in points:
+        sweep_point(batch, slots, device)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
+    parser.add_argument("--slots", type=int, nargs="+", default=[1024, 3200, 8192])
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--quick", action="store_true", help="batches 1 and 128 at 3200 slots only")
+    parser.add_argument("--sweep", action="store_true", help="time launch-config variants instead")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention needs a CUDA GPU (the timings are of GPU kernels)")
+    device = torch.device("cuda")
+    if args.quick:
+        args.batches, args.slots = [1, 128], [3200]
+    if args.sweep:
+        sweep(device, list(itertools.product(args.batches, args.slots)))
+        return
+    if "sdpa" not in args.methods:
+        args.methods.insert(0, "sdpa")  # every ratio is to SDPA
+    rows = run_grid(args.batches, args.slots, args.methods, device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, args.out / "fig1.csv")
+    plot(rows, args.out / "fig1.png")
+    print(f"wrote {args.out / 'fig1.csv'} and {args.out / 'fig1.png'}")
+    print_table(rows)
+
+
+if __name__ == "__main__":
+    main()

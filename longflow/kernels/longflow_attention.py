@@ -1,0 +1,490 @@
+"""Fused LongFlow decode attention in Triton: attention output, slot scores and argmin in one pass.
+
+LongFlow (Su et al. 2026, arXiv 2603.11504); the semantics are METHODS.md's and
+`longflow.kernels.reference`'s. Kernel ideas follow FlashAttention-2 / flash-decoding (Dao et al.;
+triton-lang/triton `python/tutorials/06-fused-attention.py` for the style).
+
+Decode attention is memory-bound: every byte of K and V must be read once and nothing else should
+cost as much. The work is split in three launches:
+
+1. `_partial_kernel`, grid `(B * Hkv, splits)`: one program per KV head and slot range reads each
+   K/V slot once for all G query heads of its group (`[G_PAD, D]` query tile), runs the online
+   softmax, and writes its partial (m, l, acc). When `splits == 1` it writes the output itself.
+   The LongFlow score needs the FINAL softmax normaliser, unknown during the pass, so the program
+   also writes, per slot and query head, `t = logit * log2(e) + log2 ||v_j||_1` to a scratch
+   buffer: then `p_hj ||v_j||_1 = exp2(t_hj - m_h) / l_h`, and K/V are never read twice.
+   Scratch costs Hq * 4 bytes per slot written and read (fp32), against 4 * Hkv * D bytes of K/V
+   (bf16): 6% at Qwen3-8B shapes. `scratch="fp16"` halves it by storing `t - m_running` and the
+   running max of each tile (`TREF`), with ~1e-3 relative error on the scores (measured slower on
+   the H200: not the default). ||v_j||_1 is computed on the tensor cores as `ones @ |v|^T`, which
+   lands in the logits' layout: a reduction over D cost 20-30% more time (NOTES.md).
+2. `_score_kernel`, grid `(B, score_splits)`: combines the (m, l) partials into the final softmax
+   statistics of every query head, combines the partial outputs (its share of heads), then scores
+   its slot range and reduces the argmin with free slots first (key -1) and protected slots last
+   (key +inf); ties go to the lowest index.
+3. `_argmin_kernel`, grid `(B,)`, only when `score_splits > 1`: the argmin over the ranges.
+
+Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    # A CPU-only machine can run Triton only through its interpreter, whose switch is read when a
+    # kernel is defined (below); an explicit TRITON_INTERPRET=0 is respected.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+LOG2E = 1.4426950408889634
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# Reductions through `tl.reduce` with Triton's own combine functions instead of tl.sum / tl.max /
+# tl.min: those are @triton.jit wrappers, and when Triton was imported before TRITON_INTERPRET was
+# set (transformers' model loading imports torch._dynamo, which imports Triton) they are compiled-only
+# functions that the interpreter cannot call. The interpreter still reduces these with numpy.
+@triton.jit
+def _sum(x, AXIS: tl.constexpr):
+    return tl.reduce(x, AXIS, tl.standard._sum_combine)
+
+
+@triton.jit
+def _max(x, AXIS: tl.constexpr):
+    return tl.reduce(x, AXIS, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _min(x, AXIS: tl.constexpr):
+    return tl.reduce(x, AXIS, tl.standard._elementwise_min)
+
+
+
+@triton.jit
+def _partial_kernel(
+    Q, K, V, VALID, T, TREF, M_PART, L_PART, ACC, OUT,
+    stride_qb, stride_qh, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_valid_b, stride_valid_s,
+    n_slots, n_tiles, chunk, n_splits, qk_scale,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONE_SPLIT: tl.constexpr, SCRATCH_FP16: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr,
+    VNORM_MMA: tl.constexpr,
+):
+    tl.static_assert(GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
+    tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
+    tl.static_assert(GROUP <= GROUP_PAD)
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid // KV_HEADS).to(tl.int64)
+    kv_head = pid % KV_HEADS
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    rows = b * (KV_HEADS * GROUP) + kv_head * GROUP + offs_g  # flat (b, h) index, [G_PAD]
+
+    # The G query heads of this KV head stay in registers for the whole pass.
+    q_ptrs = Q + b * stride_qb + (kv_head * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # [G_PAD, D]
+    k_base = K + b * stride_kb + kv_head * stride_kh + offs_d[None, :] * stride_kd
+    v_base = V + b * stride_vb + kv_head * stride_vh + offs_d[None, :] * stride_vd
+    t_rows = T + rows[:, None] * n_slots  # [G_PAD, 1] row pointers of the scratch
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.full([GROUP_PAD], 0.0, tl.float32)
+    acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0.0, tl.float32)
+
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_slots)
+    valid_row = VALID + b * stride_valid_b
+    # The mask is loaded one tile ahead (PREFETCH): a byte per slot is below the 4 bytes of an
+    # asynchronous copy, so the compiler does not pipeline it, and an in-loop load would stall
+    # every iteration for a full memory latency.
+    ok_next = tl.load(valid_row + (lo + offs_n) * stride_valid_s, mask=(lo + offs_n) < hi, other=0)
+    for start in range(lo, hi, BLOCK_N):
+        slots = start + offs_n
+        s_ok = slots < n_slots
+        if PREFETCH:
+            ok = ok_next != 0
+            ok_next = tl.load(valid_row + (slots + BLOCK_N) * stride_valid_s, mask=(slots + BLOCK_N) < hi, other=0)
+        else:
+            ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0) != 0
+        if HEAD_DIM == HEAD_DIM_PAD:
+            kv_mask = s_ok[:, None]
+        else:
+            kv_mask = s_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + slots[:, None] * stride_ks, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_base + slots[:, None] * stride_vs, mask=kv_mask, other=0.0)
+
+        # Logits in base 2: exp2(x * log2 e) = exp(x).
+        if FP32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
+
+        # Online softmax; `m_use` stays finite so that fully masked tiles give 0, never NaN.
+        m_new = tl.maximum(m_i, _max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + _sum(p, 1)
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+        # Score scratch: t = logit + log2 ||v||_1, so that p * ||v||_1 = exp2(t - m) / l later.
+        # ||v_j||_1 comes from the tensor cores, ones @ |v|^T, already in the layout of the logits
+        # (every row equal): a reduction over D would need shuffles and a layout conversion.
+        # Floored at 1e-30 so that zero vectors and padding give a very negative number, not -inf.
+        if not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
+            vnorm = _sum(tl.abs(v.to(tl.float32)), 1)[None, :]
+        elif FP32_DOT:
+            ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, tl.float32)
+            vnorm = tl.dot(ones, tl.trans(tl.abs(v.to(tl.float32))), input_precision="ieee")
+        else:
+            ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
+            vnorm = tl.dot(ones, tl.trans(tl.abs(v)))
+        log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N] (rows equal) or [1, BLOCK_N]
+        t_mask = g_ok[:, None] & s_ok[None, :]
+        if SCRATCH_FP16:
+            # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
+            u = s - m_use[:, None] + log_vnorm
+            tl.store(t_rows + slots[None, :], u.to(tl.float16), mask=t_mask)
+            tl.store(TREF + rows * n_tiles + start // BLOCK_N, m_use, mask=g_ok)
+        else:
+            tl.store(t_rows + slots[None, :], s + log_vnorm, mask=t_mask)
+
+    tl.store(M_PART + rows * n_splits + split, m_i, mask=g_ok)
+    tl.store(L_PART + rows * n_splits + split, l_i, mask=g_ok)
+    out_mask = g_ok[:, None] & d_ok[None, :]
+    if ONE_SPLIT:
+        out = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty)
+        tl.store(OUT + rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
+    else:
+        tl.store(ACC + (rows[:, None] * n_splits + split) * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _score_kernel(
+    T, TREF, M_PART, L_PART, ACC, OUT, VALID, PROTECT, BEST_KEY, BEST_IDX, NEXT_SLOT,
+    stride_valid_b, stride_valid_s, stride_protect_b, stride_protect_s,
+    n_slots, n_tiles, chunk, n_splits, n_parts, heads_per_part, inv_norm,
+    Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr, BLOCK_S: tl.constexpr, TILE_N: tl.constexpr,
+    ONE_SPLIT: tl.constexpr, ONE_PART: tl.constexpr, SCRATCH_FP16: tl.constexpr, HAS_PROTECT: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    offs_h = tl.arange(0, Q_HEADS_PAD)
+    offs_p = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    h_ok = offs_h < Q_HEADS
+    p_ok = offs_p < n_splits
+    d_ok = offs_d < HEAD_DIM
+
+    # Final softmax statistics of every query head from the per-split partials.
+    rows = b * Q_HEADS + offs_h
+    part_off = rows[:, None] * n_splits + offs_p[None, :]
+    part_mask = h_ok[:, None] & p_ok[None, :]
+    m_part = tl.load(M_PART + part_off, mask=part_mask, other=float("-inf"))  # [Hq_PAD, SPLITS_PAD]
+    l_part = tl.load(L_PART + part_off, mask=part_mask, other=0.0)
+    m_fin = _max(m_part, 1)
+    m_use = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+    l_fin = _sum(l_part * tl.exp2(m_part - m_use[:, None]), 1)
+    inv_l = tl.where(l_fin > 0, 1.0 / tl.where(l_fin > 0, l_fin, 1.0), 0.0)
+
+    if not ONE_SPLIT:
+        # Flash-decoding combine of the partial outputs, for this program's share of the heads,
+        # HEAD_TILE heads at a time with all their splits in one load ([HEAD_TILE, SPLITS_PAD, D]):
+        # a loop over the splits would wait a full memory latency per split.
+        offs_ht = tl.arange(0, HEAD_TILE)
+        for h0 in range(0, heads_per_part, HEAD_TILE):
+            local = h0 + offs_ht
+            heads = part * heads_per_part + local
+            ht_ok = (heads < Q_HEADS) & (local < heads_per_part)
+            ht_rows = b * Q_HEADS + heads
+            ht_off = ht_rows[:, None] * n_splits + offs_p[None, :]  # [HEAD_TILE, SPLITS_PAD]
+            ht_mask = ht_ok[:, None] & p_ok[None, :]
+            m_ht = tl.load(M_PART + ht_off, mask=ht_mask, other=float("-inf"))
+            l_ht = tl.load(L_PART + ht_off, mask=ht_mask, other=0.0)
+            m_ht_fin = _max(m_ht, 1)
+            weight = tl.exp2(m_ht - tl.where(m_ht_fin == float("-inf"), 0.0, m_ht_fin)[:, None])
+            l_ht_fin = _sum(l_ht * weight, 1)
+            acc = tl.load(ACC + ht_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                          mask=ht_mask[:, :, None] & d_ok[None, None, :], other=0.0)
+            out = _sum(acc * weight[:, :, None], 1) / tl.where(l_ht_fin > 0, l_ht_fin, 1.0)[:, None]
+            tl.store(OUT + ht_rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty),
+                     mask=ht_ok[:, None] & d_ok[None, :])
+
+    # Scores of this program's slot range and their argmin: free slots first (key -1, scores are
+    # >= 0), protected slots last (+inf), the lowest index among ties.
+    offs_s = tl.arange(0, BLOCK_S)
+    best_key = tl.full([BLOCK_S], float("inf"), tl.float32)
+    best_idx = tl.full([BLOCK_S], 0, tl.int32)
+    t_rows = T + rows[:, None] * n_slots
+    valid_row = VALID + b * stride_valid_b
+    protect_row = PROTECT + b * stride_protect_b
+    lo = part * chunk
+    hi = tl.minimum(lo + chunk, n_slots)
+    # Every load is issued one tile ahead (no dot here, so the compiler pipelines nothing).
+    t_next, ok_next, protect_next = _score_tile_loads(
+        t_rows, TREF, valid_row, protect_row, rows, lo + offs_s, hi, n_tiles, stride_valid_s, stride_protect_s,
+        h_ok, TILE_N, SCRATCH_FP16, HAS_PROTECT)
+    for start in range(lo, hi, BLOCK_S):
+        slots = start + offs_s
+        s_ok = slots < hi
+        t, ok, protected = t_next, ok_next != 0, protect_next != 0
+        t_next, ok_next, protect_next = _score_tile_loads(
+            t_rows, TREF, valid_row, protect_row, rows, slots + BLOCK_S, hi, n_tiles, stride_valid_s,
+            stride_protect_s, h_ok, TILE_N, SCRATCH_FP16, HAS_PROTECT)
+        contribution = tl.exp2(t - m_use[:, None]) * inv_l[:, None]  # p_hj ||v_j||_1, [Hq_PAD, BLOCK_S]
+        score = _sum(contribution, 0) * inv_norm
+        key = tl.where(ok, score, -1.0)
+        if HAS_PROTECT:
+            key = tl.where(ok & protected, float("inf"), key)
+        key = tl.where(s_ok, key, float("inf"))
+        better = key < best_key  # strict: each lane keeps its earliest slot among ties
+        best_key = tl.where(better, key, best_key)
+        best_idx = tl.where(better, slots, best_idx)
+    key_min = _min(best_key, 0)
+    idx_min = _min(tl.where(best_key == key_min, best_idx, 2147483647), 0)
+    if ONE_PART:
+        tl.store(NEXT_SLOT + b, idx_min.to(tl.int64))
+    else:
+        tl.store(BEST_KEY + b * n_parts + part, key_min)
+        tl.store(BEST_IDX + b * n_parts + part, idx_min)
+
+
+@triton.jit
+def _score_tile_loads(t_rows, TREF, valid_row, protect_row, rows, slots, hi, n_tiles, stride_valid_s,
+                      stride_protect_s, h_ok, TILE_N: tl.constexpr, SCRATCH_FP16: tl.constexpr,
+                      HAS_PROTECT: tl.constexpr):
+    """One score tile: scratch `[Hq_PAD, BLOCK_S]` as fp32 (absolute), mask and protect bytes."""
+    s_ok = slots < hi
+    t_mask = h_ok[:, None] & s_ok[None, :]
+    t = tl.load(t_rows + slots[None, :], mask=t_mask, other=float("-inf")).to(tl.float32)
+    if SCRATCH_FP16:
+        t += tl.load(TREF + rows[:, None] * n_tiles + slots[None, :] // TILE_N, mask=t_mask, other=0.0)
+    ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0)
+    if HAS_PROTECT:
+        protected = tl.load(protect_row + slots * stride_protect_s, mask=s_ok, other=0)
+    else:
+        protected = ok
+    return t, ok, protected
+
+
+@triton.jit
+def _argmin_kernel(BEST_KEY, BEST_IDX, NEXT_SLOT, n_parts, PARTS_PAD: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, PARTS_PAD)
+    ok = offs < n_parts
+    key = tl.load(BEST_KEY + b * n_parts + offs, mask=ok, other=float("inf"))
+    idx = tl.load(BEST_IDX + b * n_parts + offs, mask=ok, other=2147483647)
+    key_min = _min(key, 0)
+    idx_min = _min(tl.where(key == key_min, idx, 2147483647), 0)
+    tl.store(NEXT_SLOT + b, idx_min.to(tl.int64))
+
+
+# ---- host side ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tiling of one call. `splits`/`score_splits` are upper bounds, rounded to whole tiles."""
+
+    block_n: int = 64  # slots per tile of the attention pass
+    num_warps: int = 4
+    num_stages: int = 3
+    splits: int = 1  # slot ranges per KV head in the attention pass (flash-decoding)
+    score_splits: int = 1  # slot ranges per batch row in the score pass
+    block_s: int = 128  # slots per tile of the score pass
+    score_warps: int = 4
+    scratch: str = "fp32"  # "fp32" | "fp16"
+    prefetch: bool = True  # load the validity mask one tile ahead in the attention pass
+    vnorm: str = "mma"  # ||v||_1 as ones @ |v|^T on the tensor cores ("mma") or a reduction ("reduce")
+
+    def __post_init__(self):
+        for name in ("block_n", "block_s"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.splits < 1 or self.score_splits < 1:
+            raise ValueError(f"splits and score_splits must be >= 1, got {self.splits}, {self.score_splits}")
+        if self.scratch not in ("fp32", "fp16"):
+            raise ValueError(f"scratch must be 'fp32' or 'fp16', got {self.scratch!r}")
+        if self.vnorm not in ("mma", "reduce"):
+            raise ValueError(f"vnorm must be 'mma' or 'reduce', got {self.vnorm!r}")
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8  # interpreter: a small pretend GPU, so that CPU tests also cover the split paths
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_config(
+    batch: int, kv_heads: int, q_heads: int, slots: int, head_dim: int, sms: int
+) -> LaunchConfig:
+    """Heuristic launch configuration; constants from H200 sweeps (longflow/kernels/NOTES.md)."""
+    block_n = 64
+    programs = batch * kv_heads
+    # Attention pass: split the slots (down to one tile per program) until about 2 programs per
+    # multiprocessor; B * Hkv >= 2 * SMs fills the GPU without the combine step. With that many
+    # programs a 4th pipeline stage pays (fewer programs per SM, more bytes in flight each); below,
+    # 3 stages keep 3 programs per SM resident in one wave.
+    splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(slots, block_n)))
+    num_stages = 4 if programs >= 2 * sms else 3
+    # Score pass: 128 (tiny batches) or 256 slots per program, at most ~4 programs per multiprocessor.
+    per_part = 128 if programs < 64 else 256
+    score_splits = max(1, min(triton.cdiv(slots, per_part), triton.cdiv(4 * sms, batch)))
+    return LaunchConfig(block_n=block_n, num_stages=num_stages, splits=splits, score_splits=score_splits)
+
+
+def _check_inputs(q, k, v, valid, protect) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {tuple(q.shape)}")
+    if k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"k and v must both be [batch, kv_heads, slots, head_dim], got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    batch, q_heads, head_dim = q.shape
+    _, kv_heads, slots, k_dim = k.shape
+    if k.shape[0] != batch or k_dim != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
+    if slots == 0:
+        raise ValueError("the cache has no slots")
+    if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share one dtype of {_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, mask in (("valid", valid), ("protect", protect)):
+        if mask is None:
+            continue
+        if mask.dtype != torch.bool or tuple(mask.shape) != (batch, slots):
+            raise ValueError(f"{name} must be a [batch, slots] = [{batch}, {slots}] bool tensor, "
+                             f"got {mask.dtype} {tuple(mask.shape)}")
+    tensors = [t for t in (q, k, v, valid, protect) if t is not None]
+    if len({t.device for t in tensors}) != 1:
+        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in tensors]}")
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"the Triton kernel needs CUDA tensors (got {q.device}); use longflow.kernels."
+                         "reference on the CPU, or set TRITON_INTERPRET=1 before importing triton")
+
+
+def longflow_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float | None = None,
+    *,
+    protect: torch.Tensor | None = None,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LongFlow decode attention with the next slot to overwrite, in three launches and no host sync.
+
+    Args:
+        q: `[B, Hq, D]` current query (after RoPE); k, v: `[B, Hkv, S, D]` slot caches, any strides.
+        valid: `[B, S]` bool, False for free or padding slots; may be a strided view (`valid3d[:, 0]`).
+        scale: softmax scale, `D ** -0.5` when None.
+        protect: optional `[B, S]` bool: valid slots never chosen for eviction (free ones still are).
+        config: tiling override (tuning and tests); the heuristic `default_config` when None.
+
+    Returns:
+        out: `[B, Hq, D]` in the dtype of q.
+        next_slot: `[B]` int64, the lowest free slot, else the valid unprotected slot of lowest score.
+    """
+    _check_inputs(q, k, v, valid, protect)
+    return _run(q, k, v, valid, scale, protect, config)
+
+
+def _run(q, k, v, valid, scale, protect, config, attention_only=False):
+    """The launches of `longflow_attention` (inputs checked). `attention_only` stops after the
+    attention pass, for the benchmark's accounting (out is then unfinished when split)."""
+    batch, q_heads, head_dim = q.shape
+    _, kv_heads, slots, _ = k.shape
+    group = q_heads // kv_heads
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    if config is None:
+        config = default_config(batch, kv_heads, q_heads, slots, head_dim, _multiprocessors(q.device))
+
+    # Whole tiles per split; the split counts actually launched follow from the rounding.
+    chunk = triton.cdiv(triton.cdiv(slots, config.splits), config.block_n) * config.block_n
+    splits = triton.cdiv(slots, chunk)
+    score_chunk = triton.cdiv(triton.cdiv(slots, config.score_splits), config.block_s) * config.block_s
+    score_splits = triton.cdiv(slots, score_chunk)
+    n_tiles = triton.cdiv(slots, config.block_n)
+    fp16_scratch = config.scratch == "fp16"
+    # fp32 inputs get exact fp32 products (no tf32); so does the interpreter, whose bf16/fp16 dot
+    # multiplies raw bit patterns (Triton 3.9).
+    fp32_dot = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+    device, f32 = q.device, torch.float32
+    out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=device)
+    next_slot = torch.empty(batch, dtype=torch.long, device=device)
+    scratch = torch.empty(batch, q_heads, slots, dtype=torch.float16 if fp16_scratch else f32, device=device)
+    tile_ref = torch.empty(batch, q_heads, n_tiles, dtype=f32, device=device) if fp16_scratch else scratch
+    m_part = torch.empty(batch, q_heads, splits, dtype=f32, device=device)
+    l_part = torch.empty_like(m_part)
+    acc = torch.empty(batch, q_heads, splits, head_dim, dtype=f32, device=device) if splits > 1 else m_part
+    best_key = torch.empty(batch, score_splits, dtype=f32, device=device)
+    best_idx = torch.empty(batch, score_splits, dtype=torch.int32, device=device)
+    # Bool tensors go in as bytes; a same-size dtype view keeps any strides.
+    valid_u8 = valid.view(torch.uint8)
+    protect_u8 = protect.view(torch.uint8) if protect is not None else valid_u8
+
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    _partial_kernel[(batch * kv_heads, splits)](
+        q, k, v, valid_u8, scratch, tile_ref, m_part, l_part, acc, out,
+        *q.stride(), *k.stride(), *v.stride(), *valid_u8.stride(),
+        slots, n_tiles, chunk, splits, scale * LOG2E,
+        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
+        ONE_SPLIT=splits == 1, SCRATCH_FP16=fp16_scratch, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
+        VNORM_MMA=config.vnorm == "mma", num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if attention_only:
+        return out, None
+    heads_per_part = triton.cdiv(q_heads, score_splits)
+    splits_pad = triton.next_power_of_2(splits)
+    # Heads combined at once: all splits of HEAD_TILE heads in at most 8192 fp32 registers' worth.
+    head_tile = min(triton.next_power_of_2(heads_per_part), max(1, 8192 // (splits_pad * head_dim_pad)))
+    _score_kernel[(batch, score_splits)](
+        scratch, tile_ref, m_part, l_part, acc, out, valid_u8, protect_u8, best_key, best_idx, next_slot,
+        *valid_u8.stride(), *protect_u8.stride(),
+        slots, n_tiles, score_chunk, splits, score_splits, heads_per_part, 1.0 / (q_heads * head_dim),
+        Q_HEADS=q_heads, Q_HEADS_PAD=triton.next_power_of_2(q_heads), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad,
+        HEAD_TILE=head_tile, BLOCK_S=config.block_s, TILE_N=config.block_n,
+        ONE_SPLIT=splits == 1, ONE_PART=score_splits == 1, SCRATCH_FP16=fp16_scratch,
+        HAS_PROTECT=protect is not None, num_warps=config.score_warps,
+    )
+    if score_splits > 1:
+        _argmin_kernel[(batch,)](
+            best_key, best_idx, next_slot, score_splits, PARTS_PAD=triton.next_power_of_2(score_splits),
+        )
+    return out, next_slot
+
+
+def scratch_bytes(batch: int, q_heads: int, slots: int, scratch: str = "fp32") -> int:
+    """Bytes of score scratch written and read back by one call (for the benchmark's accounting)."""
+    return 2 * batch * q_heads * slots * (2 if scratch == "fp16" else 4)
+
+
+__all__ = ["LaunchConfig", "default_config", "longflow_attention", "scratch_bytes"]
