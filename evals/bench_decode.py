@@ -127,7 +127,7 @@ def main() -> None:
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    setting = dict(model=args.model, batch=args.batch, prompt=args.prompt, new=args.new, device=gpu)
+    setting = dict(model=args.model, batch=args.batch, prompt=args.prompt, device=gpu)
     table.assign(**setting).to_csv(out, index=False)
     print(f"wrote {out}")
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import FAMILIES, tiny_spec
+from test_engine import TEXTS, hf_generate
 
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine
 from longflow.methods import METHODS, build_policy
 from longflow.models import eos_token_ids, load_model
-
-from conftest import FAMILIES, tiny_spec
-from test_engine import TEXTS, hf_generate
 
 pytestmark = pytest.mark.gpu
 
