@@ -50,3 +50,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def generate(tiny, factory, texts, max_new_tokens=24):
+    """Greedy generation of `texts` through the engine with `factory`'s policy, EOS ignored.
+
+    Returns (prompt token lists, `BatchResult`).
+    """
+    from longflow.config import GenerationConfig
+    from longflow.engine import Engine
+    from longflow.models import eos_token_ids
+
+    model, tokenizer = tiny
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    engine = Engine(model, factory, eos_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    generation = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
+    return prompts, engine.generate(prompts, generation, list(range(len(prompts))))

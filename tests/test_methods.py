@@ -1,0 +1,88 @@
+"""The contract every KV method keeps (METHODS.md, "Rules common to all methods"), for every method
+of the registry and both variants, on the tiny Llama, Qwen2 and Qwen3 models, batched with left padding:
+
+- with a budget above prompt + max_new_tokens, greedy tokens equal the full cache's;
+- with a budget below the prompts, no layer ever holds more than `budget` slots, checked after
+  every store and every attention call, prefill included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import generate
+
+from baselines.vanilla import VanillaPolicy
+from longflow.methods import METHODS, build_policy, policy_class
+
+# Small budgets shrink R-KV's compression interval, with a warning that is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:rkv.*leaves no room:UserWarning")
+
+COMPRESSING = sorted(set(METHODS) - {"vanilla"})
+VARIANTS = ["paper", "lf_repo"]
+TEXTS = ["What is 2 + 3?", "hi", "Compute the sum of the first ten odd numbers, please."]
+LONG_TEXTS = ["Solve for x: 3x + 7 = 22, then add five. " * 2, "A train leaves at noon at 60 mph; when? " * 3]
+CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
+
+
+def method_fields(method: str) -> dict:
+    fields = yaml.safe_load((CONF / f"{method}.yaml").read_text())
+    assert fields.pop("name") == method
+    return fields
+
+
+@pytest.fixture(scope="module")
+def full_cache(tiny):
+    return generate(tiny, VanillaPolicy, TEXTS, max_new_tokens=32)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("method", COMPRESSING)
+def test_large_budget_equals_full_cache(tiny, full_cache, method, variant):
+    prompts, expected = full_cache
+    budget = max(map(len, prompts)) + 32
+    fields = {**method_fields(method), "variant": variant}
+    _, result = generate(tiny, lambda: build_policy(method, budget, **fields), TEXTS, max_new_tokens=32)
+    assert result.tokens == expected.tokens
+
+
+def checked(cls):
+    """`cls` with the hard cap asserted after every store and attention call."""
+
+    class Checked(cls):
+        def _check(self, layer):
+            held = self.layers[layer].valid.sum(dim=-1)  # [B, Hkv]
+            assert int(held.max()) <= self.budget, f"{self.name}: {int(held.max())} slots > budget {self.budget}"
+
+        def store(self, layer, k, v):
+            out = super().store(layer, k, v)
+            if not self.prefilling:
+                self._check(layer)
+            return out
+
+        def attend(self, layer, q, k, v, scale):
+            out = super().attend(layer, q, k, v, scale)
+            self._check(layer)
+            return out
+
+        def after_step(self, step):
+            super().after_step(step)
+            for layer in range(len(self.layers)):
+                self._check(layer)
+
+    return Checked
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("method", COMPRESSING)
+def test_budget_is_a_hard_cap_at_every_step(tiny, method, variant):
+    budget = 40
+    fields = {**method_fields(method), "variant": variant}
+    cls = checked(policy_class(method))
+    prompts, result = generate(tiny, lambda: cls(budget=budget, **fields), LONG_TEXTS, max_new_tokens=160)
+    assert min(map(len, prompts)) > budget  # prefill compression runs
+    assert max(result.peak_slots) <= budget
+    assert all(len(tokens) == 160 for tokens in result.tokens)
+
