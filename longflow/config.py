@@ -58,7 +58,7 @@ class EngineConfig:
     Neither changes the tokens produced, so neither is part of a run's identity.
     """
 
-    batch_size: int = 16
+    batch_size: int = 64
     cuda_graph: bool = True
     check_every: int = 16  # decode steps between host checks for "every row finished"
 
