@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from longflow.attention import decode_attention
-from longflow.policy import CacheSpec, KVPolicy
+from longflow.policy import ALIGN, CacheSpec, KVPolicy, round_up
 
 
 class VanillaPolicy(KVPolicy):
@@ -20,7 +20,8 @@ class VanillaPolicy(KVPolicy):
         super().__init__(budget=None)
 
     def capacity(self, spec: CacheSpec) -> int:
-        return spec.prompt_len + spec.max_new_tokens
+        # Rounded up so that the decode matmuls' rows stay 16-byte aligned (see `ALIGN`).
+        return round_up(spec.prompt_len + spec.max_new_tokens, ALIGN)
 
     def prefill_keep(self, spec: CacheSpec) -> int:
         return spec.prompt_len

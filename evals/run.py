@@ -109,6 +109,7 @@ def evaluate(
                     tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
                     engine_config)
     max_positions = model.config.get_text_config().max_position_embeddings
+    engine.warm_up()
 
     all_metrics = []
     for job in jobs:

@@ -29,6 +29,15 @@ import torch.nn.functional as F
 
 from longflow.attention import decode_attention, prefill_attention, window_probs
 
+# Slot and prompt lengths are kept multiples of ALIGN where the engine chooses them: rows of bf16
+# matmul operands and SDPA masks whose length is not a multiple of 8 elements lose 16-byte alignment,
+# and the GPU falls back to kernels 2-3x slower.
+ALIGN = 16
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
 
 @dataclass(frozen=True)
 class CacheSpec:
