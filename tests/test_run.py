@@ -139,3 +139,12 @@ def test_regrade_rejects_a_non_run_directory(tmp_path):
     result = subprocess.run([sys.executable, "-m", "evals.grade", str(tmp_path)], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+
+
+def test_over_long_prompts_are_recorded_and_the_run_goes_on(tmp_path):
+    result = run_cli(*BASE, "model.architecture.max_position_embeddings=256", f"results_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    rows = [row for run in run_dirs(tmp_path) for row in records(run)]
+    reasons = {row["reason"] for row in rows}
+    assert "prompt_too_long" in reasons and len(reasons) > 1  # short prompts still generated
+    assert all(not row["correct"] for row in rows if row["reason"] == "prompt_too_long")
