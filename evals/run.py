@@ -12,7 +12,6 @@ resumes: only the missing items are generated.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,142 +59,181 @@ def load_jobs(dataset_cfg: dict[str, Any], limit: int | None) -> list[Job]:
     return jobs
 
 
-def evaluate(
-    cfg: dict[str, Any], config_yaml: str | None = None, on_batch: Callable[[], None] | None = None
-) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class Setup:
+    """A resolved run config, checked before anything heavy is loaded."""
+
+    method: str
+    method_params: dict
+    budget: int | None
+    generation_name: str
+    protocol: str
+    generation_params: dict
+    generation: Any  # longflow.config.GenerationConfig
+    engine: Any  # longflow.config.EngineConfig
+    model: Any  # longflow.models.ModelSpec
+    limit: int | None
+    grading: dict
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Setup:
+        from longflow.config import EngineConfig, GenerationConfig
+        from longflow.methods import build_policy
+        from longflow.models import ModelSpec
+
+        method_params = dict(cfg["method"])
+        method = method_params.pop("name")
+        budget = None if method == "vanilla" else cfg["budget"]
+        if method != "vanilla" and (not isinstance(budget, int) or budget <= 0):
+            raise UserError(f"budget must be a positive integer number of KV slots, got {cfg['budget']!r}")
+        build_policy(method, budget, **method_params)  # an unknown method or bad parameters fail here
+        generation_params = dict(cfg["generation"])
+        generation_name, protocol = generation_params.pop("name"), generation_params.pop("protocol")
+        limit = cfg.get("limit")
+        if limit is not None and (not isinstance(limit, int) or limit <= 0):
+            raise UserError(f"limit must be a positive integer or null, got {limit!r}")
+        return cls(
+            method=method, method_params=method_params, budget=budget, generation_name=generation_name,
+            protocol=protocol, generation_params=generation_params,
+            generation=GenerationConfig(**generation_params), engine=EngineConfig(**cfg["engine"]),
+            model=ModelSpec(**cfg["model"]), limit=limit, grading=dict(cfg["grading"]),
+        )
+
+    def identity(self, job: Job, tokenizer) -> dict[str, Any]:
+        """Everything that changes a dataset run's outputs (see `evals.store`)."""
+        from evals.store import stable_hash
+
+        spec, random = self.model, self.model.weights == "random"
+        return {
+            "model": spec.name, "hub_id": spec.hub_id, "revision": spec.revision, "weights": spec.weights,
+            "architecture": spec.architecture if random else None, "init_seed": spec.init_seed if random else None,
+            "dtype": spec.dtype, "thinks": spec.thinks,
+            "method": self.method, "variant": self.method_params.get("variant", "paper"),
+            "method_params": self.method_params, "budget": self.budget,
+            "generation": self.generation_name, "protocol": self.protocol, "generation_params": self.generation_params,
+            "dataset": job.name, "kind": job.kind, "dataset_size": job.size, "dataset_fingerprint": job.fingerprint,
+            # The prompt format, not the rendered prompts: `limit` only selects which items are done.
+            "template": stable_hash([getattr(tokenizer, "chat_template", None), self.protocol, spec.thinks]),
+        }
+
+
+def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[str, Any]]:
     """Runs (or resumes) every dataset of a resolved plain-dict config; returns their metrics.
 
-    `config_yaml` is stored in each run directory; `on_batch` is called after every stored batch
-    (tests use it to simulate a crash).
+    `config_yaml`, the resolved config, is stored in each run directory.
     """
-    import torch
-    from tqdm import tqdm
-
-    from evals.grading import GradeRequest, grade_many
-    from evals.metrics import summarize
-    from evals.prompts import build_messages, render_prompt
-    from evals.store import CONFIG, METRICS, PROVENANCE, RunDir, provenance, stable_hash
-    from longflow.config import EngineConfig, GenerationConfig
     from longflow.engine import Engine
-    from longflow.methods import build_policy, policy_class
-    from longflow.models import ModelSpec, eos_token_ids, load_model, resolve_device
+    from longflow.methods import build_policy
+    from longflow.models import eos_token_ids, load_model, resolve_device
 
-    method_cfg = dict(cfg["method"])
-    method = method_cfg.pop("name")
-    policy_class(method)  # unknown method: fail before anything is loaded
-    budget = None if method == "vanilla" else cfg["budget"]
-    if method != "vanilla" and (not isinstance(budget, int) or budget <= 0):
-        raise UserError(f"budget must be a positive integer number of KV slots, got {cfg['budget']!r}")
-    build_policy(method, budget, **method_cfg)  # bad method parameters: fail early too
-    generation_cfg = dict(cfg["generation"])
-    generation_name, protocol = generation_cfg.pop("name"), generation_cfg.pop("protocol")
-    generation = GenerationConfig(**generation_cfg)
-    engine_config = EngineConfig(**cfg["engine"])
-    model_cfg = dict(cfg["model"])
-    spec = ModelSpec(**model_cfg)
-    limit = cfg.get("limit")
-    if limit is not None and (not isinstance(limit, int) or limit <= 0):
-        raise UserError(f"limit must be a positive integer or null, got {limit!r}")
-
+    setup = Setup.from_config(cfg)
     device = resolve_device(cfg["device"])
     if cfg.get("require_gpu") and device.type != "cuda":
         raise UserError(
-            f"this experiment needs a CUDA GPU (none visible here) and hub access to {spec.hub_id}; "
+            f"this experiment needs a CUDA GPU (none visible here) and hub access to {setup.model.hub_id}; "
             "run it on a GPU machine with the model downloadable or cached"
         )
-    jobs = load_jobs(cfg["dataset"], limit)
-    model, tokenizer = load_model(spec, device)
-    engine = Engine(model, lambda: build_policy(method, budget, **method_cfg), eos_token_ids(model, tokenizer),
-                    tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-                    engine_config)
-    max_positions = model.config.get_text_config().max_position_embeddings
+    jobs = load_jobs(cfg["dataset"], setup.limit)
+    model, tokenizer = load_model(setup.model, device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    engine = Engine(model, lambda: build_policy(setup.method, setup.budget, **setup.method_params),
+                    eos_token_ids(model, tokenizer), pad_id, setup.engine)
     engine.warm_up()
+    seeds = {"generation": setup.generation.seed, "dataset": cfg["dataset"]["seed"], "init": setup.model.init_seed}
+    return [run_dataset(job, setup, engine, tokenizer, Path(cfg["results_dir"]), config_yaml, seeds) for job in jobs]
 
-    all_metrics = []
-    for job in jobs:
-        prompts = {}
-        for item in job.items:
-            ids = render_prompt(tokenizer, build_messages(item, job.kind, protocol), thinking=spec.thinks)
-            if generation.max_prompt_tokens is not None:
-                # Keep the end: it holds the question's tail and the generation prompt.
-                ids = ids[-generation.max_prompt_tokens:]
-            prompts[item.id] = ids
-        identity = {
-            "model": spec.name, "hub_id": spec.hub_id, "revision": spec.revision, "weights": spec.weights,
-            "architecture": spec.architecture if spec.weights == "random" else None,
-            "init_seed": spec.init_seed if spec.weights == "random" else None, "dtype": spec.dtype,
-            "method": method, "variant": method_cfg.get("variant", "paper"), "method_params": method_cfg,
-            "thinks": spec.thinks, "budget": budget, "generation": generation_name, "protocol": protocol,
-            "generation_params": generation_cfg, "dataset": job.name, "kind": job.kind, "dataset_size": job.size,
-            "dataset_fingerprint": job.fingerprint,
-            # The prompt format, not the rendered prompts: `limit` only selects which items are done.
-            "template": stable_hash([getattr(tokenizer, "chat_template", None), protocol, spec.thinks]),
+
+def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, config_yaml: str | None,
+                seeds: dict[str, int]) -> dict[str, Any]:
+    """Generates, grades and stores the missing samples of one dataset; returns its metrics."""
+    from tqdm import tqdm
+
+    from evals.metrics import summarize
+    from evals.prompts import build_messages, render_prompt
+    from evals.store import CONFIG, METRICS, PROVENANCE, RunDir, provenance
+
+    generation = setup.generation
+    prompts = {}
+    for item in job.items:
+        ids = render_prompt(tokenizer, build_messages(item, job.kind, setup.protocol), thinking=setup.model.thinks)
+        if generation.max_prompt_tokens is not None:
+            ids = ids[-generation.max_prompt_tokens:]  # keep the end: the question's tail and the generation prompt
+        prompts[item.id] = ids
+    identity = setup.identity(job, tokenizer)
+    max_positions = engine.model.config.get_text_config().max_position_embeddings
+
+    with RunDir(results_dir, identity) as run:
+        identity = {**identity, "run_id": run.path.name}
+        run.write_json(PROVENANCE, [*run.read_json(PROVENANCE, default=[]), provenance(seeds)])
+        if config_yaml is not None:
+            run.write_text(CONFIG, config_yaml)
+        records, batches = run.generations(), run.batches()
+        done = {(r["id"], r["sample"]) for r in records}
+        work = [(item, sample) for item in job.items for sample in range(generation.n_samples)
+                if (item.id, sample) not in done]
+        work.sort(key=lambda unit: -len(prompts[unit[0].id]))  # similar lengths batch together
+        progress = tqdm(total=len(work), desc=f"{setup.method}/{job.name}", unit="sample", dynamic_ncols=True)
+        too_long = [u for u in work if len(prompts[u[0].id]) + generation.max_new_tokens > max_positions]
+        if too_long:
+            failed = [failure_record(item, sample, job, len(prompts[item.id]), "prompt_too_long")
+                      for item, sample in too_long]
+            run.append(failed)
+            records += failed
+            progress.update(len(too_long))
+        work = [u for u in work if u not in too_long]
+        for start in range(0, len(work), setup.engine.batch_size):
+            units = work[start:start + setup.engine.batch_size]
+            new_records, batch = generate_batch(units, job, setup, engine, tokenizer, prompts)
+            run.append(new_records, batch)
+            records += new_records
+            batches.append(batch)
+            run.write_json(METRICS, summarize(identity, records, batches))
+            progress.update(len(units))
+        progress.close()
+        metrics = summarize(identity, records, batches)
+        run.write_json(METRICS, metrics)
+    print(f"{run.path}: accuracy {fmt(metrics['accuracy'])} over {metrics['n_items']} items, "
+          f"{fmt(metrics['tokens_per_second'])} tok/s, peak KV slots {metrics['peak_kv_slots']}")
+    return metrics
+
+
+def generate_batch(units, job: Job, setup: Setup, engine, tokenizer, prompts) -> tuple[list[dict], dict]:
+    """One engine batch of (item, sample) units: their graded records and the batch's timing record."""
+    import torch
+
+    from evals.grading import GradeRequest, grade_many
+
+    result = engine.generate(
+        [prompts[item.id] for item, _ in units], setup.generation,
+        [row_seed(setup.generation.seed, job.name, item.id, sample) for item, sample in units],
+    )
+    eos_ids = engine.eos_ids.tolist()
+    texts = [decode(tokenizer, tokens, eos_ids) for tokens in result.tokens]
+    grades = grade_many(
+        [GradeRequest(kind=job.kind, output=text, gold=item.gold, finish_reason=reason, thinks=setup.model.thinks)
+         for (item, _), text, reason in zip(units, texts, result.finish_reasons, strict=True)],
+        workers=setup.grading["workers"], timeout=setup.grading["timeout"],
+    )
+    seconds = batch_seconds(result)
+    records = [
+        {
+            "id": item.id, "dataset": job.name, "sample": sample, "prompt_tokens": result.prompt_tokens[row],
+            "output": texts[row], "output_tokens": len(result.tokens[row]),
+            "finish_reason": result.finish_reasons[row], "extracted": grades[row].extracted, "gold": item.gold,
+            "correct": grades[row].correct, "reason": grades[row].reason, "seconds": seconds[row],
+            "peak_slots": result.peak_slots[row],
         }
-        with RunDir(Path(cfg["results_dir"]), identity) as run:
-            identity = {**identity, "run_id": run.path.name}
-            sessions = run.read_json(PROVENANCE, default=[])
-            run.write_json(PROVENANCE, [*sessions, provenance({"generation": generation.seed,
-                                                              "dataset": cfg["dataset"]["seed"],
-                                                              "init": spec.init_seed})])
-            if config_yaml is not None:
-                run.write_text(CONFIG, config_yaml)
-            records = run.generations()
-            done = {(r["id"], r["sample"]) for r in records}
-            work = [(item, sample) for item in job.items for sample in range(generation.n_samples)
-                    if (item.id, sample) not in done]
-            work.sort(key=lambda unit: -len(prompts[unit[0].id]))  # similar lengths batch together
-            progress = tqdm(total=len(work), desc=f"{method}/{job.name}", unit="sample", dynamic_ncols=True)
-            too_long = [u for u in work if len(prompts[u[0].id]) + generation.max_new_tokens > max_positions]
-            if too_long:
-                run.append([failure_record(item, sample, job, prompts, "prompt_too_long")
-                            for item, sample in too_long])
-                progress.update(len(too_long))
-            work = [u for u in work if u not in too_long]
-            for start in range(0, len(work), engine_config.batch_size):
-                units = work[start:start + engine_config.batch_size]
-                result = engine.generate(
-                    [prompts[item.id] for item, _ in units], generation,
-                    [row_seed(generation.seed, job.name, item.id, sample) for item, sample in units],
-                )
-                texts = [decode(tokenizer, tokens, engine.eos_ids.tolist()) for tokens in result.tokens]
-                grades = grade_many(
-                    [GradeRequest(kind=job.kind, output=text, gold=item.gold, finish_reason=reason,
-                                  thinks=spec.thinks)
-                     for (item, _), text, reason in zip(units, texts, result.finish_reasons, strict=True)],
-                    workers=cfg["grading"]["workers"], timeout=cfg["grading"]["timeout"],
-                )
-                seconds = batch_seconds(result)
-                run.append(
-                    [
-                        {
-                            "id": item.id, "dataset": job.name, "sample": sample,
-                            "prompt_tokens": result.prompt_tokens[row], "output": texts[row],
-                            "output_tokens": len(result.tokens[row]), "finish_reason": result.finish_reasons[row],
-                            "extracted": grades[row].extracted, "gold": item.gold, "correct": grades[row].correct,
-                            "reason": grades[row].reason, "seconds": seconds[row],
-                            "peak_slots": result.peak_slots[row],
-                        }
-                        for row, (item, sample) in enumerate(units)
-                    ],
-                    {
-                        "size": len(units), "prefill_seconds": result.prefill_seconds,
-                        "step_seconds": [round(s, 7) for s in result.step_seconds],
-                        "generated_tokens": sum(len(t) for t in result.tokens),
-                        "peak_memory_bytes": result.peak_memory_bytes, "cuda_graph": result.cuda_graph,
-                        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                    },
-                )
-                run.write_json(METRICS, summarize(identity, run.generations(), run.batches()))
-                progress.update(len(units))
-                if on_batch is not None:
-                    on_batch()
-            progress.close()
-            metrics = summarize(identity, run.generations(), run.batches())
-            run.write_json(METRICS, metrics)
-            all_metrics.append(metrics)
-            print(f"{run.path}: accuracy {fmt(metrics['accuracy'])} over {metrics['n_items']} items, "
-                  f"{fmt(metrics['tokens_per_second'])} tok/s, peak KV slots {metrics['peak_kv_slots']}")
-    return all_metrics
+        for row, (item, sample) in enumerate(units)
+    ]
+    device = engine.device
+    batch = {
+        "size": len(units), "prefill_seconds": result.prefill_seconds,
+        "step_seconds": [round(s, 7) for s in result.step_seconds],
+        "generated_tokens": sum(len(t) for t in result.tokens),
+        "peak_memory_bytes": result.peak_memory_bytes, "cuda_graph": result.cuda_graph,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+    return records, batch
 
 
 def decode(tokenizer, tokens: list[int], eos_ids: list[int]) -> str:
@@ -215,8 +253,9 @@ def batch_seconds(result) -> list[float]:
             for t in result.tokens]
 
 
-def failure_record(item, sample: int, job: Job, prompts: dict, reason: str) -> dict:
-    return {"id": item.id, "dataset": job.name, "sample": sample, "prompt_tokens": len(prompts[item.id]),
+def failure_record(item, sample: int, job: Job, prompt_tokens: int, reason: str) -> dict:
+    """The record of a sample that never reached generation."""
+    return {"id": item.id, "dataset": job.name, "sample": sample, "prompt_tokens": prompt_tokens,
             "output": "", "output_tokens": 0, "finish_reason": "none", "extracted": None, "gold": item.gold,
             "correct": False, "reason": reason, "seconds": 0.0, "peak_slots": None}
 
