@@ -19,21 +19,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-import yaml
 
+from evals.configs import method_params, model_spec
 from longflow.cache import ATTENTION_NAME
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine, synchronize
 from longflow.methods import build_policy
-from longflow.models import ModelSpec, load_model, resolve_device
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
-
-
-def method_params(name: str) -> dict:
-    fields = yaml.safe_load((CONF / "method" / f"{name}.yaml").read_text()) or {}
-    fields.pop("name", None)
-    return fields
+from longflow.models import load_model, resolve_device
 
 
 def bench_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda_graph: bool) -> dict:
@@ -103,10 +95,9 @@ def main() -> None:
     parser.add_argument("--out", default="results/bench_decode.csv")
     args = parser.parse_args()
 
-    fields = yaml.safe_load((CONF / "model" / f"{args.model}.yaml").read_text())
-    fields.update(weights="random", **({"dtype": args.dtype} if args.dtype else {}))
+    spec = model_spec(args.model, weights="random", **({"dtype": args.dtype} if args.dtype else {}))
     device = resolve_device(args.device)
-    model, _ = load_model(ModelSpec(**fields), device)
+    model, _ = load_model(spec, device)
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(0)
     # Ids from the lower half of the vocabulary, away from the special ids at its top.
@@ -122,7 +113,7 @@ def main() -> None:
 
     table = pd.DataFrame(rows)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"\n{args.model} (random weights, {fields['dtype']}), batch {args.batch}, prompt {args.prompt}, "
+    print(f"\n{args.model} (random weights, {spec.dtype}), batch {args.batch}, prompt {args.prompt}, "
           f"{args.new} new tokens, budget {args.budget}, on {gpu}")
     print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     out = Path(args.out)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from evals.configs import CONF_DIR, group_options
 from longflow.errors import UserError
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("model", "method", "dataset", "generation", "experiment")
 
 
@@ -274,7 +274,7 @@ def check_choices(argv: list[str]) -> None:
         key, _, value = argument.lstrip("+~").partition("=")
         if key not in GROUPS or not value or value == "null":
             continue
-        options = sorted(p.stem for p in (CONF_DIR / key).glob("*.yaml"))
+        options = group_options(key)
         for choice in value.split(","):
             if choice not in options:
                 raise UserError(f"unknown {key} {choice!r}; choose one of: {', '.join(options)}")

@@ -22,8 +22,6 @@ ATTENTION_NAME = "kv_policy"
 class PolicyCache(Cache):
     """A transformers `Cache` whose storage and eviction belong to a `KVPolicy`."""
 
-    is_compileable = True
-
     def __init__(self, policy: KVPolicy, num_layers: int):
         super().__init__(layers=[])
         self.policy = policy

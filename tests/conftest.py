@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
+from evals.configs import model_spec
 from longflow.models import ModelSpec, load_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -18,8 +18,7 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 
 def tiny_spec(family: str, **overrides) -> ModelSpec:
     """The `conf/model/tiny_<family>.yaml` model, as the entry point would build it."""
-    fields = yaml.safe_load((REPO / "conf" / "model" / f"tiny_{family}.yaml").read_text())
-    return ModelSpec(**{**fields, **overrides})
+    return model_spec(f"tiny_{family}", **overrides)
 
 
 def tiny_model(family: str):

@@ -8,13 +8,11 @@ of the registry and both variants, on the tiny Llama, Qwen2 and Qwen3 models, ba
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import yaml
 from conftest import generate
 
 from baselines.vanilla import VanillaPolicy
+from evals.configs import method_params
 from longflow.methods import METHODS, build_policy, policy_class
 
 # Small budgets shrink R-KV's compression interval, with a warning that is expected here.
@@ -24,13 +22,6 @@ COMPRESSING = sorted(set(METHODS) - {"vanilla"})
 VARIANTS = ["paper", "lf_repo"]
 TEXTS = ["What is 2 + 3?", "hi", "Compute the sum of the first ten odd numbers, please."]
 LONG_TEXTS = ["Solve for x: 3x + 7 = 22, then add five. " * 2, "A train leaves at noon at 60 mph; when? " * 3]
-CONF = Path(__file__).resolve().parents[1] / "conf" / "method"
-
-
-def method_fields(method: str) -> dict:
-    fields = yaml.safe_load((CONF / f"{method}.yaml").read_text())
-    assert fields.pop("name") == method
-    return fields
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +34,7 @@ def full_cache(tiny):
 def test_large_budget_equals_full_cache(tiny, full_cache, method, variant):
     prompts, expected = full_cache
     budget = max(map(len, prompts)) + 32
-    fields = {**method_fields(method), "variant": variant}
+    fields = {**method_params(method), "variant": variant}
     _, result = generate(tiny, lambda: build_policy(method, budget, **fields), TEXTS, max_new_tokens=32)
     assert result.tokens == expected.tokens
 
@@ -79,7 +70,7 @@ def checked(cls):
 @pytest.mark.parametrize("method", COMPRESSING)
 def test_budget_is_a_hard_cap_at_every_step(tiny, method, variant):
     budget = 40
-    fields = {**method_fields(method), "variant": variant}
+    fields = {**method_params(method), "variant": variant}
     cls = checked(policy_class(method))
     prompts, result = generate(tiny, lambda: cls(budget=budget, **fields), LONG_TEXTS, max_new_tokens=160)
     assert min(map(len, prompts)) > budget  # prefill compression runs
