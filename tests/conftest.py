@@ -65,3 +65,30 @@ def generate(tiny, factory, texts, max_new_tokens=24):
     engine = Engine(model, factory, eos_token_ids(model, tokenizer), tokenizer.pad_token_id)
     generation = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
     return prompts, engine.generate(prompts, generation, list(range(len(prompts))))
+
+
+def capped(cls):
+    """`cls` with the budget asserted as a hard cap after every store, attention call and step."""
+
+    class Checked(cls):
+        def _check(self, layer):
+            held = self.layers[layer].valid.sum(dim=-1)  # [B, Hkv]
+            assert int(held.max()) <= self.budget, f"{self.name}: {int(held.max())} slots > budget {self.budget}"
+
+        def store(self, layer, k, v):
+            out = super().store(layer, k, v)
+            if not self.prefilling:
+                self._check(layer)
+            return out
+
+        def attend(self, layer, q, k, v, scale):
+            out = super().attend(layer, q, k, v, scale)
+            self._check(layer)
+            return out
+
+        def after_step(self, step):
+            super().after_step(step)
+            for layer in range(len(self.layers)):
+                self._check(layer)
+
+    return Checked

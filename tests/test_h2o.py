@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import generate
+from conftest import capped, generate
 
 from baselines.h2o import H2OPolicy, prompt_attention_sums
 from longflow.errors import UserError
@@ -16,23 +16,16 @@ from longflow.methods import build_policy
 from longflow.policy import CacheSpec
 
 VARIANTS = ["paper", "lf_repo"]
-TEXTS = ["What is 2 + 3?", "hi", "Compute the sum of the first ten odd numbers, please."]
 LONG_TEXTS = ["Solve for x: 3x + 7 = 22, then add five.", "A train leaves at noon at 60 mph; when?"]
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method" / "h2o.yaml"
 
 
-class CheckedH2O(H2OPolicy):
-    """Asserts the cap after every store and attend, and the recent window at every decode step."""
-
-    def store(self, layer, k, v):
-        out = super().store(layer, k, v)
-        assert int(self.layers[layer].valid.sum(dim=-1).max()) <= self.budget
-        return out
+class CheckedH2O(capped(H2OPolicy)):
+    """The hard cap (`capped`), and the recent window at every decode step."""
 
     def attend(self, layer, q, k, v, scale):
         out = super().attend(layer, q, k, v, scale)
         slots = self.layers[layer]
-        assert int(slots.valid.sum(dim=-1).max()) <= self.budget
         if self.shared_selection:
             assert torch.equal(slots.positions, slots.positions[:, :1].expand_as(slots.positions))
         if not self.prefilling:

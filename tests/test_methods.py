@@ -9,7 +9,7 @@ of the registry and both variants, on the tiny Llama, Qwen2 and Qwen3 models, ba
 from __future__ import annotations
 
 import pytest
-from conftest import generate
+from conftest import capped, generate
 
 from baselines.vanilla import VanillaPolicy
 from evals.configs import method_params
@@ -39,39 +39,12 @@ def test_large_budget_equals_full_cache(tiny, full_cache, method, variant):
     assert result.tokens == expected.tokens
 
 
-def checked(cls):
-    """`cls` with the hard cap asserted after every store and attention call."""
-
-    class Checked(cls):
-        def _check(self, layer):
-            held = self.layers[layer].valid.sum(dim=-1)  # [B, Hkv]
-            assert int(held.max()) <= self.budget, f"{self.name}: {int(held.max())} slots > budget {self.budget}"
-
-        def store(self, layer, k, v):
-            out = super().store(layer, k, v)
-            if not self.prefilling:
-                self._check(layer)
-            return out
-
-        def attend(self, layer, q, k, v, scale):
-            out = super().attend(layer, q, k, v, scale)
-            self._check(layer)
-            return out
-
-        def after_step(self, step):
-            super().after_step(step)
-            for layer in range(len(self.layers)):
-                self._check(layer)
-
-    return Checked
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("method", COMPRESSING)
 def test_budget_is_a_hard_cap_at_every_step(tiny, method, variant):
     budget = 40
     fields = {**method_params(method), "variant": variant}
-    cls = checked(policy_class(method))
+    cls = capped(policy_class(method))
     prompts, result = generate(tiny, lambda: cls(budget=budget, **fields), LONG_TEXTS, max_new_tokens=160)
     assert min(map(len, prompts)) > budget  # prefill compression runs
     assert max(result.peak_slots) <= budget
