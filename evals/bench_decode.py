@@ -78,6 +78,11 @@ def bench_hf_generate(model, prompts, new_tokens: int) -> dict:
     }
 
 
+def report(row: dict) -> None:
+    """One line as each method finishes: the runs of a full-size model take minutes."""
+    print(f"{row['method']}: {row['tokens_per_s']:.0f} tokens/s, {row['step_ms_p50']:.2f} ms per step", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3_8b")
@@ -106,10 +111,10 @@ def main() -> None:
     rows = []
     for method in args.methods.split(","):
         rows.append(bench_engine(model, method, args.budget, prompts, args.new, not args.no_cuda_graph))
-        print(rows[-1], flush=True)
+        report(rows[-1])
     if args.hf_generate:
         rows.append(bench_hf_generate(model, prompts, args.hf_new or args.new))
-        print(rows[-1], flush=True)
+        report(rows[-1])
 
     table = pd.DataFrame(rows)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
