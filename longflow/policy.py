@@ -159,6 +159,8 @@ class KVPolicy:
         self.prefilling = True
         self.pad = pad
         self.prompt_positions = positions
+        # Decides how the prompt is stored; one host sync per batch, before the prompt forward.
+        self.longest_prompt = int(pad.sum(dim=-1).max())
 
     def begin_decode(self, positions: torch.Tensor) -> None:
         """positions: `[B]` int64, the position of the token each row writes at the current step.
@@ -234,10 +236,11 @@ class KVPolicy:
         length = k.shape[2]
         keep = min(self.prefill_keep(spec), length)
         batch, kv_heads = spec.batch, spec.kv_heads
-        if keep == length:
-            kept = torch.arange(length, device=k.device).expand(batch, kv_heads, length)
-            slots.keys[:, :, :length] = k
-            slots.values[:, :, :length] = v
+        if self.longest_prompt <= keep:
+            # Every real token fits; with left padding they are all among the last `keep` positions.
+            kept = torch.arange(length - keep, length, device=k.device).expand(batch, kv_heads, keep)
+            slots.keys[:, :, :keep] = k[:, :, length - keep:]
+            slots.values[:, :, :keep] = v[:, :, length - keep:]
         else:
             scores = self.prefill_scores(layer, q, k, v, scale)
             kept = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # [B, Hkv, keep]
