@@ -253,14 +253,13 @@ class RKVPolicy(KVPolicy):
 
     def begin_prefill(self, pad: torch.Tensor, positions: torch.Tensor) -> None:
         super().begin_prefill(pad, positions)
-        self.prompt_lens = pad.sum(dim=-1).tolist()  # once per batch, before the prompt forward
-        self.cut_rows = torch.tensor([self.prompt_cut(n) for n in self.prompt_lens], device=pad.device)
+        self.cut_rows = torch.tensor([self.prompt_cut(n) for n in self.prompt_lengths], device=pad.device)
         self.prompt_scores: torch.Tensor | None = None
 
     def begin_decode(self, positions: torch.Tensor) -> None:
         super().begin_decode(positions)
         # Host count of the slots each row holds (the same in every layer and head).
-        self.held = [self.keep_after if self.prompt_cut(n) else n for n in self.prompt_lens]
+        self.held = [self.keep_after if self.prompt_cut(n) else n for n in self.prompt_lengths]
 
     def after_step(self, step: int) -> None:
         """Every row stored one token; cut the rows whose slots are now all held."""
@@ -277,7 +276,7 @@ class RKVPolicy(KVPolicy):
         if self.prefilling:
             self.scale = scale
             self._record_prompt_queries(layer, q)
-            if any(self.prompt_cut(n) for n in self.prompt_lens):
+            if any(self.prompt_cut(n) for n in self.prompt_lengths):
                 self.prompt_scores = self._prompt_scores(q, k, scale)
         return super().attend(layer, q, k, v, scale)
 

@@ -159,8 +159,9 @@ class KVPolicy:
         self.prefilling = True
         self.pad = pad
         self.prompt_positions = positions
-        # Decides how the prompt is stored; one host sync per batch, before the prompt forward.
-        self.longest_prompt = int(pad.sum(dim=-1).max())
+        # Real tokens per row, on the host for methods whose storage depends on them (one sync per
+        # batch, before the prompt forward).
+        self.prompt_lengths: list[int] = pad.sum(dim=-1).tolist()
 
     def begin_decode(self, positions: torch.Tensor) -> None:
         """positions: `[B]` int64, the position of the token each row writes at the current step.
@@ -236,7 +237,7 @@ class KVPolicy:
         length = k.shape[2]
         keep = min(self.prefill_keep(spec), length)
         batch, kv_heads = spec.batch, spec.kv_heads
-        if self.longest_prompt <= keep:
+        if max(self.prompt_lengths) <= keep:
             # Every real token fits; with left padding they are all among the last `keep` positions.
             kept = torch.arange(length - keep, length, device=k.device).expand(batch, kv_heads, keep)
             slots.keys[:, :, :keep] = k[:, :, length - keep:]

@@ -14,6 +14,9 @@ from longflow.models import ModelSpec, load_model
 REPO = Path(__file__).resolve().parents[1]
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+VARIANTS = ("paper", "lf_repo")
+# Two prompts longer than the small budgets of the method tests, so that prefill compression runs.
+LONG_TEXTS = ["Solve for x: 3x + 7 = 22, then add five.", "A train leaves at noon at 60 mph; when?"]
 
 
 def tiny_spec(family: str, **overrides) -> ModelSpec:

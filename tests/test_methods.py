@@ -9,7 +9,7 @@ of the registry and both variants, on the tiny Llama, Qwen2 and Qwen3 models, ba
 from __future__ import annotations
 
 import pytest
-from conftest import capped, generate
+from conftest import VARIANTS, capped, generate
 
 from baselines.vanilla import VanillaPolicy
 from evals.configs import method_params
@@ -19,7 +19,6 @@ from longflow.methods import METHODS, build_policy, policy_class
 pytestmark = pytest.mark.filterwarnings("ignore:rkv.*leaves no room:UserWarning")
 
 COMPRESSING = sorted(set(METHODS) - {"vanilla"})
-VARIANTS = ["paper", "lf_repo"]
 TEXTS = ["What is 2 + 3?", "hi", "Compute the sum of the first ten odd numbers, please."]
 LONG_TEXTS = ["Solve for x: 3x + 7 = 22, then add five. " * 2, "A train leaves at noon at 60 mph; when? " * 3]
 

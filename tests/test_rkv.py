@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import tiny_model
+from conftest import VARIANTS, tiny_model
 
 from baselines.rkv import RKVPolicy
 from baselines.vanilla import VanillaPolicy
@@ -18,7 +18,6 @@ from longflow.engine import Engine
 from longflow.methods import build_policy
 from longflow.policy import CacheSpec
 
-VARIANTS = ("paper", "lf_repo")
 MODES = ("cap", "target")
 # Small-budget settings: compressions every few steps, prompts longer than the budget.
 SMALL = {
@@ -68,7 +67,7 @@ class CheckedRKV(RKVPolicy):
         return out
 
     def attend(self, layer, q, k, v, scale):
-        if self.prefilling and any(self.prompt_cut(n) for n in self.prompt_lens):
+        if self.prefilling and any(self.prompt_cut(n) for n in self.prompt_lengths):
             self.prefill_cut = True
         out = super().attend(layer, q, k, v, scale)
         self.check(layer)

@@ -8,15 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import capped, generate
+from conftest import LONG_TEXTS, VARIANTS, capped, generate
 
 from baselines.streaming import StreamingPolicy
 from longflow.errors import UserError
 from longflow.methods import build_policy
 from longflow.policy import CacheSpec
 
-VARIANTS = ["paper", "lf_repo"]
-LONG_TEXTS = ["Solve for x: 3x + 7 = 22, then add five.", "A train leaves at noon at 60 mph; when?"]
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method" / "streaming.yaml"
 
 
