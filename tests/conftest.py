@@ -10,6 +10,7 @@ import torch
 
 from evals.configs import model_spec
 from longflow.models import ModelSpec, load_model
+from longflow.policy import CacheSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -95,3 +96,28 @@ def capped(cls):
                 self._check(layer)
 
     return Checked
+
+
+def drive_layer(policy, q, k, v, pad, steps, scale):
+    """Drives one layer of `policy` through prefill and decode as the engine does.
+
+    Returns (held positions per step `[step][row][head] -> set`, attention output per step).
+    """
+    batch, q_heads, length, head_dim = q.shape
+    policy.allocate(CacheSpec(batch=batch, layers=1, q_heads=q_heads, kv_heads=k.shape[1], head_dim=head_dim,
+                              prompt_len=length, max_new_tokens=len(steps) + 1, dtype=torch.float32,
+                              device=torch.device("cpu")))
+    policy.begin_prefill(pad, (pad.long().cumsum(dim=-1) - 1).clamp(min=0))
+    policy.store(0, k, v)
+    policy.attend(0, q, k, v, scale)
+    positions = pad.sum(dim=-1)
+    policy.begin_decode(positions)
+    held_log, out_log = [], []
+    for qs, ks, vs in steps:
+        policy.store(0, ks, vs)
+        out_log.append(policy.attend(0, qs, ks, vs, scale)[:, 0])
+        slots = policy.layers[0]
+        held_log.append([[set(slots.positions[b, h][slots.valid[b, h]].tolist()) for h in range(k.shape[1])]
+                         for b in range(batch)])
+        positions += 1
+    return held_log, out_log

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import LONG_TEXTS, VARIANTS, capped, generate
+from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate
 
 from baselines.h2o import H2OPolicy, prompt_attention_sums
 from longflow.errors import UserError
@@ -125,35 +125,13 @@ def random_case(seed=0, batch=3, q_heads=4, kv_heads=2, length=16, head_dim=8, s
     return q, k, v, pad, decode
 
 
-def run_policy(policy, q, k, v, pad, steps, scale):
-    """Drives one layer through prefill and decode as the engine does; logs what each query saw."""
-    batch, q_heads, length, head_dim = q.shape
-    policy.allocate(CacheSpec(batch=batch, layers=1, q_heads=q_heads, kv_heads=k.shape[1], head_dim=head_dim,
-                              prompt_len=length, max_new_tokens=len(steps) + 1, dtype=torch.float32,
-                              device=torch.device("cpu")))
-    policy.begin_prefill(pad, (pad.long().cumsum(dim=-1) - 1).clamp(min=0))
-    policy.store(0, k, v)
-    policy.attend(0, q, k, v, scale)
-    positions = pad.sum(dim=-1)
-    policy.begin_decode(positions)
-    held_log, out_log = [], []
-    for qs, ks, vs in steps:
-        policy.store(0, ks, vs)
-        out_log.append(policy.attend(0, qs, ks, vs, scale)[:, 0])
-        slots = policy.layers[0]
-        held_log.append([[set(slots.positions[b, h][slots.valid[b, h]].tolist()) for h in range(k.shape[1])]
-                         for b in range(batch)])
-        positions += 1
-    return held_log, out_log
-
-
 @pytest.mark.parametrize("budget", [9, 20])  # prompt compressed at prefill / kept whole
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_matches_reference(variant, budget):
     q, k, v, pad, steps = random_case()
     scale = q.shape[-1] ** -0.5
     policy = H2OPolicy(budget, variant=variant)
-    held, outs = run_policy(policy, q, k, v, pad, steps, scale)
+    held, outs = drive_layer(policy, q, k, v, pad, steps, scale)
     expected_held, expected_outs, final = reference_h2o(q, k, v, pad, steps, budget, policy.recent, variant,
                                                         scale)
     assert held == expected_held

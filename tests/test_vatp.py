@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import LONG_TEXTS, VARIANTS, capped, generate
+from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate
 
 from baselines.vatp import VATPPolicy
 from longflow.errors import UserError
@@ -105,28 +105,6 @@ def reference_row(queries, keys, values, n, steps, budget, sinks, recent, varian
     return log
 
 
-def run_policy(policy, q, k, v, pad, steps, scale):
-    """Drives one layer through prefill and decode as the engine does; logs the held positions."""
-    batch, q_heads, length, head_dim = q.shape
-    policy.allocate(CacheSpec(batch=batch, layers=1, q_heads=q_heads, kv_heads=k.shape[1], head_dim=head_dim,
-                              prompt_len=length, max_new_tokens=len(steps) + 1, dtype=torch.float32,
-                              device=torch.device("cpu")))
-    policy.begin_prefill(pad, (pad.long().cumsum(dim=-1) - 1).clamp(min=0))
-    policy.store(0, k, v)
-    policy.attend(0, q, k, v, scale)
-    positions = pad.sum(dim=-1)
-    policy.begin_decode(positions)
-    log = []
-    for qs, ks, vs in steps:
-        policy.store(0, ks, vs)
-        policy.attend(0, qs, ks, vs, scale)
-        slots = policy.layers[0]
-        log.append([[set(slots.positions[b, h][slots.valid[b, h]].tolist()) for h in range(k.shape[1])]
-                    for b in range(batch)])
-        positions += 1
-    return log
-
-
 @pytest.mark.parametrize("budget", [11, 20])  # prompt compressed at prefill / kept whole
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_matches_reference(variant, budget):
@@ -149,7 +127,7 @@ def test_matches_reference(variant, budget):
         expected.append(reference_row(queries, keys, values, n, len(steps), budget, sinks, policy.recent,
                                       variant, scale))
     expected = [list(step) for step in zip(*expected, strict=True)]  # [t][b][h]
-    assert run_policy(policy, q, k, v, pad, steps, scale) == expected
+    assert drive_layer(policy, q, k, v, pad, steps, scale)[0] == expected
 
 
 def test_value_norm_ties_sinks_and_free_slots():
