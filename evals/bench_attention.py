@@ -3,6 +3,7 @@
     python -m evals.bench_attention [--batches 1 16 64 128] [--slots 1024 3200 8192] [--out results/]
     python -m evals.bench_attention --quick      # batches 1 and 128 at 3200 slots
     python -m evals.bench_attention --sweep      # time LaunchConfig variants of the fused kernel
+    python -m evals.bench_attention --replot results/fig1.csv   # redraw fig1.png from a CSV (CPU)
 
 Methods, on the same random cache at Qwen3-8B shapes (32 query heads, 8 KV heads, head dim 128, bf16):
   - `sdpa`: `F.scaled_dot_product_attention` with `enable_gqa` and no mask, under the flash backend
@@ -239,11 +240,12 @@ def plot(rows: list[dict], path: Path) -> None:
     at_point = {row["method"]: row["ms"] for row in rows if (row["batch"], row["slots"]) == point}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw=dict(width_ratios=[1, 2]))
     labels = [m for m in ("h2o", "longflow_fused", "sdpa", "sdpa_packed") if m in at_point]
-    names = {"h2o": "H2O", "longflow_fused": "LongFlow (fused)", "sdpa": "SDPA flash\n(no eviction)",
-             "sdpa_packed": "SDPA flash,\nGQA packed"}
+    names = {"h2o": "H2O", "longflow_fused": "LongFlow\n(fused)", "sdpa": "SDPA flash\n(no eviction)",
+             "sdpa_packed": "SDPA flash\n(GQA packed)"}
     bars = axes[0].bar([names[m] for m in labels], [at_point[m] for m in labels],
                        color=["tab:gray", "tab:red", "tab:blue", "tab:cyan"][: len(labels)])
     axes[0].bar_label(bars, fmt="%.3f ms")
+    axes[0].tick_params(axis="x", labelsize=8)
     axes[0].set_ylabel("latency of one decode attention call (ms)")
     axes[0].set_title(f"batch {point[0]}, {point[1]} KV slots, Qwen3-8B shapes")
 
@@ -261,7 +263,8 @@ def plot(rows: list[dict], path: Path) -> None:
         axes[1].set_xticklabels([f"batch {b}" for b in batches])
         axes[1].set_ylabel("LongFlow fused / SDPA flash")
         axes[1].set_title("fused kernel time over the faster SDPA's, every grid point")
-        axes[1].legend(fontsize=8)
+        axes[1].set_ylim(0, max(1.3, 1.15 * max(r for _, _, r in ratios)))
+        axes[1].legend(fontsize=8, ncol=4, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=150)
 
@@ -270,16 +273,20 @@ def sweep_point(batch: int, slots: int, device: torch.device) -> None:
     """Times LaunchConfig variants at one shape, one parameter at a time around the heuristic."""
     from dataclasses import replace
 
-    from longflow.kernels.longflow_attention import _multiprocessors, _run, default_config
+    from longflow.kernels.longflow_attention import _l2_bytes, _multiprocessors, _run, default_config
 
     sets = cache_sets(batch, slots, device)
     scale = HEAD_DIM**-0.5
     sdpa_ms = graph_ms([sdpa_call(q, k, v)[0] for q, k, v, _ in sets])
-    base = default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, _multiprocessors(device))
-    variants = [base, replace(base, vnorm="reduce"), replace(base, block_n=32), replace(base, num_stages=4)]
+    base = default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, _multiprocessors(device), _l2_bytes(device))
+    other = "fp16" if base.scratch == "fp32" else "fp32"
+    variants = [base, replace(base, scratch=other), replace(base, l2_hints=False)]
+    variants += [replace(base, block_n=32), replace(base, block_n=32, scratch=other)]
+    variants += [replace(base, score_splits=base.score_splits * 2), replace(base, scratch=other,
+                                                                           score_splits=base.score_splits * 2)]
     variants += [replace(base, splits=base.splits * 2), replace(base, splits=max(1, base.splits // 2))]
-    variants += [replace(base, score_splits=base.score_splits * 2),
-                 replace(base, score_splits=max(1, base.score_splits // 2)), replace(base, scratch="fp16")]
+    variants += [replace(base, block_s=base.block_s // 2), replace(base, block_s=base.block_s * 2),
+                 replace(base, score_warps=8)]
     for config in dict.fromkeys(variants):
         full = graph_ms([lambda c=config, i=inputs: _run(*i, scale, None, c) for inputs in sets])
         attn = graph_ms([lambda c=config, i=inputs: _run(*i, scale, None, c, attention_only=True) for inputs in sets])
@@ -294,6 +301,15 @@ def sweep(device: torch.device, points) -> None:
         sweep_point(batch, slots, device)
 
 
+def read_csv(path: Path) -> list[dict]:
+    """Rows of a `fig1.csv` with their numbers parsed (for `--replot`)."""
+    numbers = {"batch": int, "slots": int, "input_sets": int, "ms": float, "floor_ms": float,
+               "x_floor": float, "x_sdpa": float, "copy_tb_s": float}
+    with path.open() as handle:
+        return [{key: numbers[key](value) if key in numbers and value else value or None
+                 for key, value in row.items()} for row in csv.DictReader(handle)]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
@@ -302,7 +318,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help="batches 1 and 128 at 3200 slots only")
     parser.add_argument("--sweep", action="store_true", help="time launch-config variants instead")
+    parser.add_argument("--replot", type=Path, metavar="CSV",
+                        help="redraw the figure (next to the CSV) and the table from a fig1.csv; no GPU needed")
     args = parser.parse_args(argv)
+    if args.replot:
+        rows = read_csv(args.replot)
+        plot(rows, args.replot.with_suffix(".png"))
+        print(f"wrote {args.replot.with_suffix('.png')}")
+        print_table(rows)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention needs a CUDA GPU (the timings are of GPU kernels)")
     device = torch.device("cuda")

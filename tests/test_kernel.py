@@ -107,6 +107,8 @@ CONFIGS = [
     LaunchConfig(block_n=32, splits=5, score_splits=4, block_s=16, num_warps=8),
     LaunchConfig(block_n=128, splits=1, score_splits=3, block_s=64),
     LaunchConfig(block_n=16, splits=2, score_splits=2, block_s=16, scratch="fp16"),
+    LaunchConfig(block_n=16, splits=3, score_splits=3, block_s=64, scratch="fp16"),
+    LaunchConfig(block_n=64, splits=2, score_splits=2, block_s=16, scratch="fp16"),
     LaunchConfig(block_n=32, splits=3, score_splits=1, block_s=32, vnorm="reduce", prefetch=False),
 ]
 
@@ -161,3 +163,18 @@ def test_rejects_bad_inputs():
         longflow_attention(q, k.float(), v, valid)
     with pytest.raises(ValueError, match="k and v"):
         longflow_attention(q, k, v[:, :, :5], valid)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,slots", [(1, 8192), (16, 1024), (16, 8192), (64, 3200)])
+def test_default_config_at_benchmark_shapes(batch, slots):
+    """The heuristic's choice (fp16 scratch at batch 16 / 8192 slots) at Qwen3-8B decode shapes."""
+    from longflow.kernels.longflow_attention import _l2_bytes, _multiprocessors, default_config
+
+    q, k, v, valid = make_inputs(batch, 32, 8, slots, 128, torch.bfloat16, "padding", seed=batch + slots)
+    config = default_config(batch, 8, 32, slots, 128, _multiprocessors(DEVICE), _l2_bytes(DEVICE))
+    out, next_slot = longflow_attention(q, k, v, valid)
+    check(q, k, v, valid, out, next_slot, score_rtol=2e-2 if config.scratch == "fp16" else 1e-3)
+    valid = torch.ones_like(valid)  # no free slot: the argmin over scores decides
+    out, next_slot = longflow_attention(q, k, v, valid)
+    check(q, k, v, valid, out, next_slot, score_rtol=2e-2 if config.scratch == "fp16" else 1e-3)

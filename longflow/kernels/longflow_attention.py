@@ -5,7 +5,7 @@ LongFlow (Su et al. 2026, arXiv 2603.11504); the semantics are METHODS.md's and
 triton-lang/triton `python/tutorials/06-fused-attention.py` for the style).
 
 Decode attention is memory-bound: every byte of K and V must be read once and nothing else should
-cost as much. The work is split in three launches:
+cost as much. The work is split in two launches (no memset, no host sync):
 
 1. `_partial_kernel`, grid `(B * Hkv, splits)`: one program per KV head and slot range reads each
    K/V slot once for all G query heads of its group (`[G_PAD, D]` query tile), runs the online
@@ -14,15 +14,19 @@ cost as much. The work is split in three launches:
    also writes, per slot and query head, `t = logit * log2(e) + log2 ||v_j||_1` to a scratch
    buffer: then `p_hj ||v_j||_1 = exp2(t_hj - m_h) / l_h`, and K/V are never read twice.
    Scratch costs Hq * 4 bytes per slot written and read (fp32), against 4 * Hkv * D bytes of K/V
-   (bf16): 6% at Qwen3-8B shapes. `scratch="fp16"` halves it by storing `t - m_running` and the
-   running max of each tile (`TREF`), with ~1e-3 relative error on the scores (measured slower on
-   the H200: not the default). ||v_j||_1 is computed on the tensor cores as `ones @ |v|^T`, which
-   lands in the logits' layout: a reduction over D cost 20-30% more time (NOTES.md).
+   (bf16): 6% at Qwen3-8B shapes. K/V are loaded `evict_first` and the scratch stored
+   `evict_last`, so the score kernel mostly reads it from L2. `scratch="fp16"` halves the bytes by
+   storing `t - m_running` and the running max of each tile (`TREF`), with ~1e-3 relative error
+   on the scores, below the bf16 rounding of the logits' inputs; `default_config` picks it where
+   the fp32 scratch overflows its share of L2 at small batch (NOTES.md). ||v_j||_1 is computed on
+   the tensor cores as `ones @ |v|^T`, which lands in the logits' layout: a reduction over D cost
+   20-30% more time.
 2. `_score_kernel`, grid `(B, score_splits)`: combines the (m, l) partials into the final softmax
    statistics of every query head, combines the partial outputs (its share of heads), then scores
    its slot range and reduces the argmin with free slots first (key -1) and protected slots last
-   (key +inf); ties go to the lowest index.
-3. `_argmin_kernel`, grid `(B,)`, only when `score_splits > 1`: the argmin over the ranges.
+   (key +inf); ties go to the lowest index. With several ranges per row, each range's (key,
+   index) goes into one int64 by `atomic_min` and the last range to finish writes the slot, so
+   no third launch is needed (the attention pass initialises that state).
 
 Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, D head dim.
 """
@@ -69,7 +73,7 @@ def _min(x, AXIS: tl.constexpr):
 
 @triton.jit
 def _partial_kernel(
-    Q, K, V, VALID, T, TREF, M_PART, L_PART, ACC, OUT,
+    Q, K, V, VALID, T, TREF, M_PART, L_PART, ACC, OUT, BEST, ARRIVED,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -78,7 +82,7 @@ def _partial_kernel(
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr, SCRATCH_FP16: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr,
-    VNORM_MMA: tl.constexpr,
+    VNORM_MMA: tl.constexpr, KV_EVICT: tl.constexpr, T_EVICT: tl.constexpr,
 ):
     tl.static_assert(GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
@@ -87,6 +91,10 @@ def _partial_kernel(
     split = tl.program_id(1)
     b = (pid // KV_HEADS).to(tl.int64)
     kv_head = pid % KV_HEADS
+    if (kv_head == 0) & (split == 0):
+        # The score kernel's cross-program argmin state for row b (it runs after this grid).
+        tl.store(BEST + b, 9223372036854775807)
+        tl.store(ARRIVED + b, 0)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -125,8 +133,9 @@ def _partial_kernel(
             kv_mask = s_ok[:, None]
         else:
             kv_mask = s_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + slots[:, None] * stride_ks, mask=kv_mask, other=0.0)  # [BLOCK_N, D]
-        v = tl.load(v_base + slots[:, None] * stride_vs, mask=kv_mask, other=0.0)
+        # K/V are read once: `evict_first` keeps them from pushing the scratch out of L2.
+        k = tl.load(k_base + slots[:, None] * stride_ks, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+        v = tl.load(v_base + slots[:, None] * stride_vs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
 
         # Logits in base 2: exp2(x * log2 e) = exp(x).
         if FP32_DOT:
@@ -165,10 +174,10 @@ def _partial_kernel(
         if SCRATCH_FP16:
             # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
             u = s - m_use[:, None] + log_vnorm
-            tl.store(t_rows + slots[None, :], u.to(tl.float16), mask=t_mask)
+            tl.store(t_rows + slots[None, :], u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
             tl.store(TREF + rows * n_tiles + start // BLOCK_N, m_use, mask=g_ok)
         else:
-            tl.store(t_rows + slots[None, :], s + log_vnorm, mask=t_mask)
+            tl.store(t_rows + slots[None, :], s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
 
     tl.store(M_PART + rows * n_splits + split, m_i, mask=g_ok)
     tl.store(L_PART + rows * n_splits + split, l_i, mask=g_ok)
@@ -182,12 +191,13 @@ def _partial_kernel(
 
 @triton.jit
 def _score_kernel(
-    T, TREF, M_PART, L_PART, ACC, OUT, VALID, PROTECT, BEST_KEY, BEST_IDX, NEXT_SLOT,
+    T, TREF, M_PART, L_PART, ACC, OUT, VALID, PROTECT, BEST, ARRIVED, NEXT_SLOT,
     stride_valid_b, stride_valid_s, stride_protect_b, stride_protect_s,
     n_slots, n_tiles, chunk, n_splits, n_parts, heads_per_part, inv_norm,
     Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr, BLOCK_S: tl.constexpr, TILE_N: tl.constexpr,
-    ONE_SPLIT: tl.constexpr, ONE_PART: tl.constexpr, SCRATCH_FP16: tl.constexpr, HAS_PROTECT: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr, BLOCK_S: tl.constexpr, SUBTILE: tl.constexpr,
+    SUBTILES: tl.constexpr, ONE_SPLIT: tl.constexpr, ONE_PART: tl.constexpr, SCRATCH_FP16: tl.constexpr,
+    HAS_PROTECT: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
@@ -233,27 +243,32 @@ def _score_kernel(
                      mask=ht_ok[:, None] & d_ok[None, :])
 
     # Scores of this program's slot range and their argmin: free slots first (key -1, scores are
-    # >= 0), protected slots last (+inf), the lowest index among ties.
-    offs_s = tl.arange(0, BLOCK_S)
-    best_key = tl.full([BLOCK_S], float("inf"), tl.float32)
-    best_idx = tl.full([BLOCK_S], 0, tl.int32)
-    t_rows = T + rows[:, None] * n_slots
+    # >= 0), protected slots last (+inf), the lowest index among ties. A tile is [SUBTILES, SUBTILE]
+    # slots; with fp16 scratch a sub-tile is one attention tile, so its reference is one value per
+    # head instead of a gather per element.
+    offs_j = tl.arange(0, SUBTILES)
+    tile = offs_j[:, None] * SUBTILE + tl.arange(0, SUBTILE)[None, :]  # [SUBTILES, SUBTILE]
+    best_key = tl.full([SUBTILES, SUBTILE], float("inf"), tl.float32)
+    best_idx = tl.full([SUBTILES, SUBTILE], 0, tl.int32)
+    t_rows = T + rows[:, None, None] * n_slots
+    tref_rows = TREF + rows[:, None] * n_tiles
     valid_row = VALID + b * stride_valid_b
     protect_row = PROTECT + b * stride_protect_b
     lo = part * chunk
     hi = tl.minimum(lo + chunk, n_slots)
     # Every load is issued one tile ahead (no dot here, so the compiler pipelines nothing).
     t_next, ok_next, protect_next = _score_tile_loads(
-        t_rows, TREF, valid_row, protect_row, rows, lo + offs_s, hi, n_tiles, stride_valid_s, stride_protect_s,
-        h_ok, TILE_N, SCRATCH_FP16, HAS_PROTECT)
+        t_rows, tref_rows, valid_row, protect_row, lo, tile, offs_j, hi, stride_valid_s, stride_protect_s,
+        h_ok, SUBTILE, BLOCK_S, SCRATCH_FP16, HAS_PROTECT)
     for start in range(lo, hi, BLOCK_S):
-        slots = start + offs_s
+        slots = start + tile
         s_ok = slots < hi
         t, ok, protected = t_next, ok_next != 0, protect_next != 0
         t_next, ok_next, protect_next = _score_tile_loads(
-            t_rows, TREF, valid_row, protect_row, rows, slots + BLOCK_S, hi, n_tiles, stride_valid_s,
-            stride_protect_s, h_ok, TILE_N, SCRATCH_FP16, HAS_PROTECT)
-        contribution = tl.exp2(t - m_use[:, None]) * inv_l[:, None]  # p_hj ||v_j||_1, [Hq_PAD, BLOCK_S]
+            t_rows, tref_rows, valid_row, protect_row, start + BLOCK_S, tile, offs_j, hi, stride_valid_s,
+            stride_protect_s, h_ok, SUBTILE, BLOCK_S, SCRATCH_FP16, HAS_PROTECT)
+        # p_hj ||v_j||_1, [Hq_PAD, SUBTILES, SUBTILE], summed over the heads
+        contribution = tl.exp2(t - m_use[:, None, None]) * inv_l[:, None, None]
         score = _sum(contribution, 0) * inv_norm
         key = tl.where(ok, score, -1.0)
         if HAS_PROTECT:
@@ -262,43 +277,44 @@ def _score_kernel(
         better = key < best_key  # strict: each lane keeps its earliest slot among ties
         best_key = tl.where(better, key, best_key)
         best_idx = tl.where(better, slots, best_idx)
-    key_min = _min(best_key, 0)
-    idx_min = _min(tl.where(best_key == key_min, best_idx, 2147483647), 0)
+    key_min = _min(_min(best_key, 1), 0)
+    idx_min = _min(_min(tl.where(best_key == key_min, best_idx, 2147483647), 1), 0)
     if ONE_PART:
         tl.store(NEXT_SLOT + b, idx_min.to(tl.int64))
     else:
-        tl.store(BEST_KEY + b * n_parts + part, key_min)
-        tl.store(BEST_IDX + b * n_parts + part, idx_min)
+        # The argmin over parts without another launch: (key, index) packed in one int64 whose
+        # order is the key's, then the index's (keys are -1 or >= 0: their float bits as int32
+        # order the same way), reduced by atomic_min; the last part to arrive writes the result.
+        packed = (key_min.to(tl.int32, bitcast=True).to(tl.int64) << 32) | idx_min.to(tl.int64)
+        tl.atomic_min(BEST + b, packed, sem="relaxed")
+        arrived = tl.atomic_add(ARRIVED + b, 1, sem="acq_rel")
+        if arrived == n_parts - 1:
+            best = tl.atomic_min(BEST + b, packed, sem="acquire")  # the minimum over every part
+            tl.store(NEXT_SLOT + b, best & 2147483647)
 
 
 @triton.jit
-def _score_tile_loads(t_rows, TREF, valid_row, protect_row, rows, slots, hi, n_tiles, stride_valid_s,
-                      stride_protect_s, h_ok, TILE_N: tl.constexpr, SCRATCH_FP16: tl.constexpr,
-                      HAS_PROTECT: tl.constexpr):
-    """One score tile: scratch `[Hq_PAD, BLOCK_S]` as fp32 (absolute), mask and protect bytes."""
+def _score_tile_loads(t_rows, tref_rows, valid_row, protect_row, start, tile, offs_j, hi, stride_valid_s,
+                      stride_protect_s, h_ok, SUBTILE: tl.constexpr, BLOCK_S: tl.constexpr,
+                      SCRATCH_FP16: tl.constexpr, HAS_PROTECT: tl.constexpr):
+    """One score tile from `start`: scratch `[Hq_PAD, SUBTILES, SUBTILE]` as fp32 (absolute), mask
+    and protect bytes `[SUBTILES, SUBTILE]`."""
+    slots = start + tile
     s_ok = slots < hi
-    t_mask = h_ok[:, None] & s_ok[None, :]
-    t = tl.load(t_rows + slots[None, :], mask=t_mask, other=float("-inf")).to(tl.float32)
+    t_mask = h_ok[:, None, None] & s_ok[None, :, :]
+    t = tl.load(t_rows + slots[None, :, :], mask=t_mask, other=float("-inf"), eviction_policy="evict_first")
+    t = t.to(tl.float32)
     if SCRATCH_FP16:
-        t += tl.load(TREF + rows[:, None] * n_tiles + slots[None, :] // TILE_N, mask=t_mask, other=0.0)
+        # The attention tile of each sub-tile: `start` is a multiple of the tile size SUBTILE.
+        tref = tl.load(tref_rows + start // SUBTILE + offs_j[None, :],
+                       mask=h_ok[:, None] & (start + offs_j * SUBTILE < hi)[None, :], other=0.0)
+        t += tref[:, :, None]
     ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0)
     if HAS_PROTECT:
         protected = tl.load(protect_row + slots * stride_protect_s, mask=s_ok, other=0)
     else:
         protected = ok
     return t, ok, protected
-
-
-@triton.jit
-def _argmin_kernel(BEST_KEY, BEST_IDX, NEXT_SLOT, n_parts, PARTS_PAD: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, PARTS_PAD)
-    ok = offs < n_parts
-    key = tl.load(BEST_KEY + b * n_parts + offs, mask=ok, other=float("inf"))
-    idx = tl.load(BEST_IDX + b * n_parts + offs, mask=ok, other=2147483647)
-    key_min = _min(key, 0)
-    idx_min = _min(tl.where(key == key_min, idx, 2147483647), 0)
-    tl.store(NEXT_SLOT + b, idx_min.to(tl.int64))
 
 
 # ---- host side ---------------------------------------------------------------------------------
@@ -318,6 +334,7 @@ class LaunchConfig:
     scratch: str = "fp32"  # "fp32" | "fp16"
     prefetch: bool = True  # load the validity mask one tile ahead in the attention pass
     vnorm: str = "mma"  # ||v||_1 as ones @ |v|^T on the tensor cores ("mma") or a reduction ("reduce")
+    l2_hints: bool = True  # K/V loaded `evict_first`, the scratch stored `evict_last`
 
     def __post_init__(self):
         for name in ("block_n", "block_s"):
@@ -339,8 +356,15 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
+def _l2_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 64 * 2**20
+    return torch.cuda.get_device_properties(device).L2_cache_size
+
+
 def default_config(
-    batch: int, kv_heads: int, q_heads: int, slots: int, head_dim: int, sms: int
+    batch: int, kv_heads: int, q_heads: int, slots: int, head_dim: int, sms: int, l2_bytes: int = 50 * 2**20
 ) -> LaunchConfig:
     """Heuristic launch configuration; constants from H200 sweeps (longflow/kernels/NOTES.md)."""
     block_n = 64
@@ -349,12 +373,19 @@ def default_config(
     # multiprocessor; B * Hkv >= 2 * SMs fills the GPU without the combine step. With that many
     # programs a 4th pipeline stage pays (fewer programs per SM, more bytes in flight each); below,
     # 3 stages keep 3 programs per SM resident in one wave.
+    split_regime = programs < 2 * sms
     splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(slots, block_n)))
-    num_stages = 4 if programs >= 2 * sms else 3
-    # Score pass: 128 (tiny batches) or 256 slots per program, at most ~4 programs per multiprocessor.
-    per_part = 128 if programs < 64 else 256
+    num_stages = 3 if split_regime else 4
+    # Score pass: 128 (small batches) or 256 slots per program, at most ~4 programs per multiprocessor.
+    per_part = 128 if split_regime else 256
     score_splits = max(1, min(triton.cdiv(slots, per_part), triton.cdiv(4 * sms, batch)))
-    return LaunchConfig(block_n=block_n, num_stages=num_stages, splits=splits, score_splits=score_splits)
+    # In the split regime the pass must run at SDPA's speed on its own, and an fp32 scratch that
+    # overflows its share of L2 (a quarter) goes to DRAM: half the bytes in fp16 then win (batch 16,
+    # 8192 slots: the pass 0.138 -> 0.126 ms). With fewer, larger programs fp32 is as fast or faster.
+    fp32_scratch_bytes = batch * q_heads * slots * 4
+    scratch = "fp16" if split_regime and fp32_scratch_bytes > l2_bytes // 4 else "fp32"
+    return LaunchConfig(block_n=block_n, num_stages=num_stages, splits=splits, score_splits=score_splits,
+                        scratch=scratch)
 
 
 def _check_inputs(q, k, v, valid, protect) -> None:
@@ -397,7 +428,7 @@ def longflow_attention(
     protect: torch.Tensor | None = None,
     config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LongFlow decode attention with the next slot to overwrite, in three launches and no host sync.
+    """LongFlow decode attention with the next slot to overwrite, in two launches and no host sync.
 
     Args:
         q: `[B, Hq, D]` current query (after RoPE); k, v: `[B, Hkv, S, D]` slot caches, any strides.
@@ -422,12 +453,16 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False):
     group = q_heads // kv_heads
     scale = head_dim**-0.5 if scale is None else float(scale)
     if config is None:
-        config = default_config(batch, kv_heads, q_heads, slots, head_dim, _multiprocessors(q.device))
+        config = default_config(batch, kv_heads, q_heads, slots, head_dim, _multiprocessors(q.device),
+                                _l2_bytes(q.device))
 
     # Whole tiles per split; the split counts actually launched follow from the rounding.
     chunk = triton.cdiv(triton.cdiv(slots, config.splits), config.block_n) * config.block_n
     splits = triton.cdiv(slots, chunk)
-    score_chunk = triton.cdiv(triton.cdiv(slots, config.score_splits), config.block_s) * config.block_s
+    # fp16 scratch: a score tile is whole attention tiles (its references are per attention tile).
+    block_s = max(config.block_s, config.block_n) if config.scratch == "fp16" else config.block_s
+    subtile = config.block_n if config.scratch == "fp16" else block_s
+    score_chunk = triton.cdiv(triton.cdiv(slots, config.score_splits), block_s) * block_s
     score_splits = triton.cdiv(slots, score_chunk)
     n_tiles = triton.cdiv(slots, config.block_n)
     fp16_scratch = config.scratch == "fp16"
@@ -443,21 +478,24 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False):
     m_part = torch.empty(batch, q_heads, splits, dtype=f32, device=device)
     l_part = torch.empty_like(m_part)
     acc = torch.empty(batch, q_heads, splits, head_dim, dtype=f32, device=device) if splits > 1 else m_part
-    best_key = torch.empty(batch, score_splits, dtype=f32, device=device)
-    best_idx = torch.empty(batch, score_splits, dtype=torch.int32, device=device)
+    # Written by the attention pass before the score kernel reads them: no memset launch.
+    best = torch.empty(batch, dtype=torch.int64, device=device)
+    arrived = torch.empty(batch, dtype=torch.int32, device=device)
     # Bool tensors go in as bytes; a same-size dtype view keeps any strides.
     valid_u8 = valid.view(torch.uint8)
     protect_u8 = protect.view(torch.uint8) if protect is not None else valid_u8
 
     head_dim_pad = triton.next_power_of_2(head_dim)
     _partial_kernel[(batch * kv_heads, splits)](
-        q, k, v, valid_u8, scratch, tile_ref, m_part, l_part, acc, out,
+        q, k, v, valid_u8, scratch, tile_ref, m_part, l_part, acc, out, best, arrived,
         *q.stride(), *k.stride(), *v.stride(), *valid_u8.stride(),
         slots, n_tiles, chunk, splits, scale * LOG2E,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         ONE_SPLIT=splits == 1, SCRATCH_FP16=fp16_scratch, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
-        VNORM_MMA=config.vnorm == "mma", num_warps=config.num_warps, num_stages=config.num_stages,
+        VNORM_MMA=config.vnorm == "mma", KV_EVICT="evict_first" if config.l2_hints else "",
+        T_EVICT="evict_last" if config.l2_hints else "",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if attention_only:
         return out, None
@@ -466,19 +504,15 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False):
     # Heads combined at once: all splits of HEAD_TILE heads in at most 8192 fp32 registers' worth.
     head_tile = min(triton.next_power_of_2(heads_per_part), max(1, 8192 // (splits_pad * head_dim_pad)))
     _score_kernel[(batch, score_splits)](
-        scratch, tile_ref, m_part, l_part, acc, out, valid_u8, protect_u8, best_key, best_idx, next_slot,
+        scratch, tile_ref, m_part, l_part, acc, out, valid_u8, protect_u8, best, arrived, next_slot,
         *valid_u8.stride(), *protect_u8.stride(),
         slots, n_tiles, score_chunk, splits, score_splits, heads_per_part, 1.0 / (q_heads * head_dim),
         Q_HEADS=q_heads, Q_HEADS_PAD=triton.next_power_of_2(q_heads), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad,
-        HEAD_TILE=head_tile, BLOCK_S=config.block_s, TILE_N=config.block_n,
+        HEAD_TILE=head_tile, BLOCK_S=block_s, SUBTILE=subtile, SUBTILES=block_s // subtile,
         ONE_SPLIT=splits == 1, ONE_PART=score_splits == 1, SCRATCH_FP16=fp16_scratch,
         HAS_PROTECT=protect is not None, num_warps=config.score_warps,
     )
-    if score_splits > 1:
-        _argmin_kernel[(batch,)](
-            best_key, best_idx, next_slot, score_splits, PARTS_PAD=triton.next_power_of_2(score_splits),
-        )
     return out, next_slot
 
 

@@ -1,0 +1,46 @@
+"""The attention microbenchmark's CPU-side parts: the memory floor, the CSV round trip, `--replot`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evals import bench_attention
+
+
+def grid_rows() -> list[dict]:
+    rows = []
+    for batch, slots in ((1, 1024), (128, 3200)):
+        floor = bench_attention.floor_bytes(batch, slots) / 4.25e12 * 1e3
+        times = {"sdpa": 2.0 * floor, "sdpa_packed": 2.1 * floor, "h2o": 3.0 * floor, "longflow_fused": 1.5 * floor}
+        for method, ms in times.items():
+            rows.append(dict(batch=batch, slots=slots, method=method, backend="flash", ms=ms, floor_ms=floor,
+                             x_floor=ms / floor, x_sdpa=ms / times["sdpa"], copy_tb_s=4.25, input_sets=1,
+                             timer="cuda_graph"))
+    return rows
+
+
+def test_floor_counts_k_v_mask_q_and_out_once():
+    batch, slots = 128, 3200
+    k_and_v = 2 * batch * 8 * slots * 128 * 2  # Qwen3-8B: 8 KV heads, head dim 128, bf16
+    assert bench_attention.floor_bytes(batch, slots) == k_and_v + batch * slots + 2 * batch * 32 * 128 * 2
+
+
+def test_replot_redraws_the_figure_from_the_csv(tmp_path, capsys):
+    rows = grid_rows()
+    path = tmp_path / "fig1.csv"
+    bench_attention.write_csv(rows, path)
+    assert bench_attention.read_csv(path) == [
+        {key: (str(value) if key in ("method", "backend", "timer") else value) for key, value in row.items()}
+        for row in rows
+    ]
+    bench_attention.main(["--replot", str(path)])
+    assert (tmp_path / "fig1.png").stat().st_size > 10_000
+    table = capsys.readouterr().out
+    assert "fused/best sdpa" in table and "0.750" in table  # 1.5 floor / min(2.0, 2.1) floor
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_timing_without_a_gpu_says_so():
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench_attention.main(["--quick"])
