@@ -355,6 +355,7 @@ class RKVPolicy(KVPolicy):
         on its own whenever the rows are out of step, and one call per layer would be mostly
         kernel launches.
         """
+        self.record_peak()  # the rows are full: their peak, before the cut frees slots
         spec, count = self.spec, len(rows)
         index = torch.tensor(rows, dtype=torch.long, device=spec.device)
         per_item = spec.kv_heads * self.slots ** 2 * 16  # bytes of S x S temporaries per (layer, row)

@@ -26,7 +26,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from evals.table import REFERENCE, add_filters, dataset_sort_key, keep_newest, label, load
-from longflow.errors import UserError
+from longflow.errors import UserError, report
 
 REFERENCE_COLOR = "0.25"
 PANEL = (4.0, 3.0)  # inches per panel
@@ -211,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths = plot_budget_sweep(load(args), args.out)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return report(error)
     for path in paths:
         print(path)
     return 0

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from longflow.errors import UserError
+from longflow.errors import UserError, report
 
 NOT_GENERATED = {"prompt_too_long"}
 
@@ -55,8 +55,7 @@ def main() -> None:
         for run in args.runs:
             regrade(run, args.workers, args.timeout)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report(error))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from evals.configs import CONF_DIR, group_options
-from longflow.errors import UserError
+from longflow.errors import UserError, report
 
 GROUPS = ("model", "method", "dataset", "generation", "experiment")
 
@@ -289,8 +289,7 @@ def _hydra_main() -> None:
         try:
             evaluate(OmegaConf.to_container(config, resolve=True), OmegaConf.to_yaml(config, resolve=True))
         except UserError as error:
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(report(error))
 
     main()
 
@@ -299,6 +298,5 @@ if __name__ == "__main__":
     try:
         check_choices(sys.argv[1:])
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(report(error))
     _hydra_main()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from longflow.errors import UserError
+from longflow.errors import UserError, report
 
 METRICS = "metrics.json"
 
@@ -358,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         table = build_table(load(args), args.metric)
     except UserError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return report(error)
     out = args.out or Path("results") / ("table1" if args.metric == "accuracy" else f"table1_{args.metric}")
     paths = write_table(table, out)
     print(render_markdown(table))

@@ -191,7 +191,6 @@ class KVPolicy:
         slots.values.scatter_(2, index[..., None, None].expand(batch, kv_heads, 1, head_dim), v)
         slots.valid.scatter_(2, index[..., None], True)
         slots.positions.scatter_(2, index[..., None], self.positions[:, None, None].expand(-1, kv_heads, 1))
-        self._track_peak(slots)
         return slots.keys, slots.values
 
     def attend(
@@ -253,13 +252,20 @@ class KVPolicy:
         positions = self.prompt_positions[:, None, :].expand(batch, kv_heads, length).gather(2, kept)
         slots.positions[:, :, :keep] = positions.masked_fill(~slots.valid[:, :, :keep], -1)
         self.next_slot[layer].copy_(self.first_free_slot(layer))
-        self._track_peak(slots)
         self.on_prompt_stored(layer, kept)
 
-    def _track_peak(self, slots: LayerSlots) -> None:
-        held = slots.valid.sum(dim=-1).amax(dim=-1)  # [B]
-        torch.maximum(self.peak, held, out=self.peak)
+    def record_peak(self) -> None:
+        """Fold the slots held now, per row over layers and heads, into the peak.
+
+        A store fills a free slot or overwrites one, so the count never falls while decoding:
+        its peak is the count at the end or just before a method frees slots. Methods that free
+        slots (R-KV's cuts) call this first; the decode step itself stays free of the reduction.
+        """
+        for slots in self.layers:
+            held = slots.valid.sum(dim=-1).amax(dim=-1)  # [B]
+            torch.maximum(self.peak, held, out=self.peak)
 
     def peak_slots(self) -> list[int]:
         """Peak KV slots held per sequence, over all layers and heads, so far (syncs the host)."""
+        self.record_peak()
         return self.peak.tolist()

@@ -113,6 +113,11 @@ CONFIGS = [
 ]
 
 
+def rtol_for(config: LaunchConfig) -> float:
+    """fp16 scratch carries ~1e-3 relative error per score term (the module docstring)."""
+    return 2e-2 if config.scratch == "fp16" else 1e-3
+
+
 def config_id(config: LaunchConfig) -> str:
     return f"n{config.block_n}-s{config.splits}x{config.score_splits}-{config.scratch}-{config.vnorm}"
 
@@ -123,7 +128,7 @@ def test_launch_configs(config, mask):
     """Every path: split attention with the combine step, split scores with the argmin step, fp16 scratch."""
     q, k, v, valid = make_inputs(3, 8, 2, 150, 64, torch.bfloat16, mask, seed=2000 + CONFIGS.index(config))
     out, next_slot = longflow_attention(q, k, v, valid, config=config)
-    check(q, k, v, valid, out, next_slot, score_rtol=2e-2 if config.scratch == "fp16" else 1e-3)
+    check(q, k, v, valid, out, next_slot, score_rtol=rtol_for(config))
 
 
 def test_many_splits_combine_one_head_at_a_time():
@@ -174,7 +179,7 @@ def test_default_config_at_benchmark_shapes(batch, slots):
     q, k, v, valid = make_inputs(batch, 32, 8, slots, 128, torch.bfloat16, "padding", seed=batch + slots)
     config = default_config(batch, 8, 32, slots, 128, _multiprocessors(DEVICE), _l2_bytes(DEVICE))
     out, next_slot = longflow_attention(q, k, v, valid)
-    check(q, k, v, valid, out, next_slot, score_rtol=2e-2 if config.scratch == "fp16" else 1e-3)
+    check(q, k, v, valid, out, next_slot, score_rtol=rtol_for(config))
     valid = torch.ones_like(valid)  # no free slot: the argmin over scores decides
     out, next_slot = longflow_attention(q, k, v, valid)
-    check(q, k, v, valid, out, next_slot, score_rtol=2e-2 if config.scratch == "fp16" else 1e-3)
+    check(q, k, v, valid, out, next_slot, score_rtol=rtol_for(config))

@@ -363,6 +363,7 @@ def _l2_bytes(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).L2_cache_size
 
 
+@functools.cache  # called per layer and decode step when not under a CUDA graph
 def default_config(
     batch: int, kv_heads: int, q_heads: int, slots: int, head_dim: int, sms: int, l2_bytes: int = 50 * 2**20
 ) -> LaunchConfig:
@@ -459,13 +460,13 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False):
     # Whole tiles per split; the split counts actually launched follow from the rounding.
     chunk = triton.cdiv(triton.cdiv(slots, config.splits), config.block_n) * config.block_n
     splits = triton.cdiv(slots, chunk)
+    fp16_scratch = config.scratch == "fp16"
     # fp16 scratch: a score tile is whole attention tiles (its references are per attention tile).
-    block_s = max(config.block_s, config.block_n) if config.scratch == "fp16" else config.block_s
-    subtile = config.block_n if config.scratch == "fp16" else block_s
+    block_s = max(config.block_s, config.block_n) if fp16_scratch else config.block_s
+    subtile = config.block_n if fp16_scratch else block_s
     score_chunk = triton.cdiv(triton.cdiv(slots, config.score_splits), block_s) * block_s
     score_splits = triton.cdiv(slots, score_chunk)
     n_tiles = triton.cdiv(slots, config.block_n)
-    fp16_scratch = config.scratch == "fp16"
     # fp32 inputs get exact fp32 products (no tf32); so does the interpreter, whose bf16/fp16 dot
     # multiplies raw bit patterns (Triton 3.9).
     fp32_dot = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
@@ -516,9 +517,4 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False):
     return out, next_slot
 
 
-def scratch_bytes(batch: int, q_heads: int, slots: int, scratch: str = "fp32") -> int:
-    """Bytes of score scratch written and read back by one call (for the benchmark's accounting)."""
-    return 2 * batch * q_heads * slots * (2 if scratch == "fp16" else 4)
-
-
-__all__ = ["LaunchConfig", "default_config", "longflow_attention", "scratch_bytes"]
+__all__ = ["LaunchConfig", "default_config", "longflow_attention"]
