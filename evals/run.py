@@ -218,6 +218,8 @@ def generate_batch(units, job: Job, setup: Setup, engine, tokenizer, prompts) ->
     records = [
         {
             "id": item.id, "dataset": job.name, "sample": sample, "prompt_tokens": result.prompt_tokens[row],
+            # The prompt as the model saw it (chat template, thinking switch, truncation), specials kept.
+            "prompt": tokenizer.decode(prompts[item.id], skip_special_tokens=False),
             "output": texts[row], "output_tokens": len(result.tokens[row]),
             "finish_reason": result.finish_reasons[row], "extracted": grades[row].extracted, "gold": item.gold,
             "correct": grades[row].correct, "reason": grades[row].reason, "seconds": seconds[row],

@@ -21,7 +21,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to load. `weights`: "hub" (pretrained) or "random" (built from `architecture`)."""
+    """What to load. `weights`: "hub" (pretrained from `hub_id`: a hub id, or a local folder written by
+    `save_pretrained`, such as a fine-tuned checkpoint) or "random" (built from `architecture`)."""
 
     name: str
     hub_id: str
@@ -73,13 +74,16 @@ def load_model(spec: ModelSpec, device: torch.device) -> tuple[PreTrainedModel, 
     else:
         try:
             tokenizer = AutoTokenizer.from_pretrained(spec.hub_id, revision=spec.revision)
+            # device_map puts each weight on the device as it is read: an 8B model never takes a
+            # second copy in host memory.
             model = AutoModelForCausalLM.from_pretrained(
                 spec.hub_id, revision=spec.revision, dtype=dtype, device_map=str(device)
             )
         except OSError as error:
             raise UserError(
-                f"cannot load {spec.hub_id!r} (revision {spec.revision}) from the hub or its cache: "
-                f"{str(error).splitlines()[0]} -- needs hub access, or model.weights=random for random weights"
+                f"cannot load {spec.hub_id!r} (revision {spec.revision}) as a local checkpoint folder, from "
+                f"the hub or from its cache: {str(error).splitlines()[0]} -- model.hub_id takes a hub id or a "
+                "folder written by save_pretrained; model.weights=random builds the architecture instead"
             ) from error
     model.set_attn_implementation(ATTENTION_NAME)
     model.eval()
