@@ -84,6 +84,10 @@ class Setup:
         method_params = dict(cfg["method"])
         method = method_params.pop("name")
         budget = None if method == "vanilla" else cfg["budget"]
+        if method == "vanilla":
+            # The full cache has no variants: both names make the same run, so that the paper and
+            # lf_repo sweeps of Table 1 share it.
+            method_params["variant"] = "paper"
         if method != "vanilla" and (not isinstance(budget, int) or budget <= 0):
             raise UserError(f"budget must be a positive integer number of KV slots, got {cfg['budget']!r}")
         build_policy(method, budget, **method_params)  # an unknown method or bad parameters fail here
