@@ -257,7 +257,7 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
                 progress.update(len(new_records))
         except KeyboardInterrupt:
             progress.close()
-            raise Interrupted(run.path, len(records)) from None
+            raise Interrupted(run.path, len(run.generations())) from None  # what the file holds
         progress.close()
         metrics = summarize(identity, in_scope(records, current), batches)
         run.write_json(METRICS, metrics)

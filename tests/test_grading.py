@@ -491,3 +491,33 @@ def test_agreement_with_the_peers_cases():
                      if grade(case["kind"], case["output"], case["gold"], thinks=False).correct != case["expected"]}
     assert disagreements == set(CONVENTIONS), sorted(disagreements ^ set(CONVENTIONS))
     assert 1 - len(disagreements) / len(cases) >= 0.97
+
+
+LAUNCHER_START_METHOD = """
+import multiprocessing
+from multiprocessing import context
+
+class LauncherContext(context.ForkServerContext):
+    _name = "launcher"
+
+# What loky does in Hydra's joblib launcher: a start method of its own, unknown to a fresh process.
+context._concrete_contexts["launcher"] = LauncherContext()
+multiprocessing.set_start_method("launcher", force=True)
+
+from evals.grading import GradeRequest, grade_many
+
+if __name__ == "__main__":
+    print(grade_many([GradeRequest("math", "\\\\boxed{1}", "1", thinks=False)], workers=1, timeout=5))
+    print(multiprocessing.get_start_method())
+"""
+
+
+def test_grade_many_under_a_launchers_own_start_method(tmp_path):
+    """Under Hydra's joblib launcher every item used to be graded "error": each worker died on the
+    launcher's start method name before grading."""
+    script = tmp_path / "launched.py"
+    script.write_text(textwrap.dedent(LAUNCHER_START_METHOD))
+    result = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert "reason='correct'" in result.stdout and result.stdout.split()[-1] == "launcher"  # restored

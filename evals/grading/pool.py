@@ -12,6 +12,8 @@ import multiprocessing
 import signal
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import Connection, wait
 
 from tqdm import tqdm
@@ -20,6 +22,7 @@ from evals.datasets import KINDS
 from evals.grading.verdict import Grade, GradeRequest, check_timeout, grade
 
 PROGRESS_MIN_ITEMS = 64  # grade_many shows a progress bar from this many requests on
+_PYTHON_START_METHODS = ("fork", "spawn", "forkserver")
 
 
 class GraderError(RuntimeError):
@@ -91,7 +94,8 @@ class _Worker:
         self.conn, child = context.Pipe()
         self.process = context.Process(target=_worker_main, args=(child, timeout), daemon=True)
         try:
-            self.process.start()
+            with _standard_start_method():
+                self.process.start()
         except Exception as error:  # no process, no grade: the run cannot be graded here
             raise GraderError(f"cannot start a grading process ({type(error).__name__}: {error})") from error
         finally:
@@ -134,6 +138,22 @@ class _Worker:
             self.process.kill()
         self.process.join()
         self.conn.close()
+
+
+@contextmanager
+def _standard_start_method() -> Iterator[None]:
+    """A new worker sets the parent's default start method by name before anything else. Under a
+    launcher that installs its own (loky's, in Hydra's joblib launcher), that name is unknown to the
+    fresh process, which dies before grading: the default is Python's own while a worker starts."""
+    current = multiprocessing.get_start_method(allow_none=True)
+    if current in (None, *_PYTHON_START_METHODS):
+        yield
+        return
+    multiprocessing.set_start_method("forkserver", force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(current, force=True)
 
 
 def _worker_main(conn: Connection, timeout: int) -> None:
