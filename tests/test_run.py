@@ -321,7 +321,7 @@ def regrade_cli(run: Path) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def test_regrade_waits_for_no_one_it_refuses_a_locked_run(tmp_path):
+def test_regrade_refuses_a_run_being_written(tmp_path):
     """evals.grade rewrites generations.jsonl: while a run holds the lock, it must not."""
     from evals.store import lock_run
 
