@@ -1,6 +1,6 @@
 """Prompts: the chat messages of an item, and their rendering with the model's own chat template.
 
-Two protocols (see PROTOCOL.md, "Prompts"):
+Two protocols (see docs/protocol.md, "Prompts"):
   - "default": one user turn. Math: the question, then the \\boxed{} instruction. GPQA: the opening
     of the simple-evals instruction, the stem, the options as "A) ..." lines, then the rest of the
     instruction, which asks for a last line "Answer: $LETTER".

@@ -7,12 +7,14 @@ the tests and the demo, and full-size architectures for speed benchmarks on a GP
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from longflow.cache import ATTENTION_NAME
+from longflow.config import check_types
 from longflow.errors import UserError
 from longflow.tokenizer import CHAT_FORMATS, build_tokenizer
 
@@ -36,6 +38,9 @@ class ModelSpec:
     sampling_top_k: int = 0  # the family's recommended top_k when sampling (Qwen3: 20); 0 = off
 
     def __post_init__(self):
+        check_types(self, "model")
+        if not isinstance(self.architecture, dict):
+            raise UserError(f"model.architecture must be a mapping, got {self.architecture!r}")
         if self.weights not in ("hub", "random"):
             raise UserError(f"model.weights must be 'hub' or 'random', got {self.weights!r}")
         if self.dtype not in DTYPES:
@@ -46,12 +51,31 @@ class ModelSpec:
             raise UserError(f"model {self.name!r}: weights=random needs architecture.model_type")
 
 
+def check_device(device: str) -> None:
+    if not isinstance(device, str) or re.fullmatch(r"auto|cpu|cuda(?::\d+)?", device) is None:
+        raise UserError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+
+
 def resolve_device(device: str) -> torch.device:
+    check_device(device)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"device={device!r} was asked for but no CUDA GPU is visible (use device=cpu)")
     return torch.device(device)
+
+
+def context_length(spec: ModelSpec) -> int | None:
+    """The model's positions (`max_position_embeddings`), read from its config without the weights;
+    None when the config cannot be had here (`load_model` then says why)."""
+    try:
+        if spec.weights == "random":
+            config = AutoConfig.for_model(**spec.architecture)
+        else:
+            config = AutoConfig.from_pretrained(spec.hub_id, revision=spec.revision)
+    except (OSError, ValueError):
+        return None
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
 
 
 def load_model(spec: ModelSpec, device: torch.device) -> tuple[PreTrainedModel, object]:
