@@ -5,6 +5,7 @@ gpt-fast. The decode step changes only preallocated tensors in place and never r
 to the host (finished rows are tracked on the device), so on a GPU it is captured once per batch in
 a CUDA graph and replayed: the model's Python code then costs nothing per step. The host looks at
 the device only every `check_every` steps, to stop when every row has finished.
+`longflow.fidelity` builds its teacher-forced pass, two caches in lockstep, from the same steps.
 
 Notation: B batch, L padded prompt length, T max_new_tokens, V vocab.
 """

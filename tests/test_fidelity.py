@@ -1,0 +1,195 @@
+"""Teacher-forced fidelity (`longflow.fidelity`): against plain HF forwards, and on a hand-built model
+whose needs are known."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+from test_engine import hf_attention
+from transformers import RepetitionPenaltyLogitsProcessor
+
+from baselines.streaming import StreamingPolicy
+from baselines.vanilla import VanillaPolicy
+from longflow.config import GenerationConfig
+from longflow.engine import Engine
+from longflow.errors import UserError
+from longflow.fidelity import teacher_force
+from longflow.methods import METHODS, build_policy
+from longflow.policy import KVPolicy
+
+# Small budgets shrink R-KV's compression interval, with a warning that is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:rkv.*leaves no room:UserWarning")
+
+COMPRESSING = sorted(set(METHODS) - {"vanilla"})
+# One prompt shorter than the small budget below and one longer, so that prefill compression runs.
+TEXTS = ["What is 2 + 3?", "Compute the sum of the first ten odd numbers, please, and then add five."]
+
+
+def prompts_of(tokenizer) -> list[list[int]]:
+    return [tokenizer(t)["input_ids"] for t in TEXTS]
+
+
+def streaming_mask(length: int, prompt: int, budget: int, n_sink: int) -> torch.Tensor:
+    """`[1, 1, length, length]` bool: what StreamingLLM lets each position see, as a plain mask.
+
+    Prompt queries see the whole causal prompt (compression only decides what is kept after the
+    prompt forward); a generated token's query sees the first `n_sink` positions and the last
+    budget - n_sink positions, itself included.
+    """
+    query, key = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    seen = (query < prompt) | (key < n_sink) | (query - key < budget - n_sink)
+    return ((key <= query) & seen)[None, None]
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_statistics_match_hf_forwards(tiny, penalty):
+    """Reference: HF forwards over prompt + the reference tokens, no cache, SDPA with a plain causal
+    mask (the full cache) and with StreamingLLM's mask (the method); logits processing by
+    transformers' own repetition-penalty processor; KL by its formula."""
+    model, tokenizer = tiny
+    prompts = prompts_of(tokenizer)
+    budget, n_sink, steps = 20, 4, 32
+    assert len(prompts[0]) < budget - 1 < len(prompts[1])
+    engine = Engine(model, lambda: StreamingPolicy(budget, n_sink=n_sink), [], tokenizer.pad_token_id)
+    result = teacher_force(engine, prompts, GenerationConfig(max_new_tokens=steps, ignore_eos=True,
+                                                             repetition_penalty=penalty), VanillaPolicy)
+    processor = RepetitionPenaltyLogitsProcessor(penalty)
+    for row, prompt in enumerate(prompts):
+        tokens = result.tokens[row]
+        assert len(tokens) == len(result.agreement[row]) == len(result.kl[row]) == steps
+        ids = torch.tensor([prompt + tokens[:-1]])
+        with hf_attention(model), torch.no_grad():
+            full = model(ids).logits[0, len(prompt) - 1:].float()
+            mask = streaming_mask(ids.shape[1], len(prompt), budget, n_sink)
+            compressed = model(ids, attention_mask=mask).logits[0, len(prompt) - 1:].float()
+        for step in range(steps):
+            context = torch.tensor([prompt + tokens[:step]])
+            assert processor(context, full[step:step + 1].clone()).argmax().item() == tokens[step]
+            choice = processor(context, compressed[step:step + 1].clone()).argmax().item()
+            assert result.agreement[row][step] == (choice == tokens[step])
+        log_p, log_q = full.log_softmax(dim=-1), compressed.log_softmax(dim=-1)
+        expected_kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+        torch.testing.assert_close(torch.tensor(result.kl[row]), expected_kl, atol=2e-6, rtol=1e-3)
+        assert expected_kl.sum() > 1e-3  # the budget is small enough to change the distributions
+
+
+@pytest.mark.parametrize("method", COMPRESSING)
+def test_a_budget_above_the_sequence_changes_nothing(tiny, method):
+    model, tokenizer = tiny
+    prompts, steps = prompts_of(tokenizer), 24
+    generation = GenerationConfig(max_new_tokens=steps, ignore_eos=True)
+    budget = max(map(len, prompts)) + steps
+    engine = Engine(model, lambda: build_policy(method, budget), [], tokenizer.pad_token_id)
+    result = teacher_force(engine, prompts, generation, VanillaPolicy)
+    full = Engine(model, VanillaPolicy, [], tokenizer.pad_token_id).generate(prompts, generation, [0, 1])
+    assert result.tokens == full.tokens  # the reference is the full cache's greedy output
+    assert all(all(row) for row in result.agreement)
+    assert max(max(row) for row in result.kl) < 1e-6
+
+
+def test_rows_stop_at_the_reference_eos(tiny):
+    model, tokenizer = tiny
+    prompts = prompts_of(tokenizer)
+    generation = GenerationConfig(max_new_tokens=12)
+    free = Engine(model, VanillaPolicy, [], tokenizer.pad_token_id).generate(prompts, generation, [0, 1])
+    stop = free.tokens[0][4]  # row 0's fifth token becomes an end-of-sequence token
+    engine = Engine(model, lambda: StreamingPolicy(10, n_sink=2), [stop], tokenizer.pad_token_id)
+    result = teacher_force(engine, prompts, generation, VanillaPolicy)
+    assert result.tokens[0] == free.tokens[0][:free.tokens[0].index(stop) + 1]
+    assert result.finish_reasons[0] == "eos"
+    for row in range(2):
+        assert len(result.agreement[row]) == len(result.kl[row]) == len(result.tokens[row])
+
+
+def test_sampling_is_refused(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, lambda: StreamingPolicy(16), [], tokenizer.pad_token_id)
+    with pytest.raises(UserError, match="greedy"):
+        teacher_force(engine, prompts_of(tokenizer), GenerationConfig(temperature=0.6), VanillaPolicy)
+
+
+# ---- a model whose needs are known: the harness must catch a broken method ----------------------
+
+
+def copy_model(period: int, sharpness: float = 20.0, gain: float = 4.0):
+    """The tiny Qwen3 rewired by hand so that its next token is the token `period` positions back:
+    greedy decoding continues the last `period` tokens of any prompt forever.
+
+    Channel 0 of every embedding is a constant, so the first layer's queries and keys, read from it
+    alone, are the same for every token: with RoPE, a score then depends only on the distance
+    between query and key. The key is the query rotated by `period - 1` positions, so the score
+    peaks at that distance: on the three fastest rotary pairs, the next best distance within 100
+    positions scores 0.83 of the peak, and `sharpness` makes the softmax pick the peak alone. The
+    values carry a random code of the token (channels 1..32), which the output projection writes
+    back `gain` times stronger than the token's own and which the LM head reads. Every other weight
+    is zero (the second layer and both MLPs pass the residual through).
+    """
+    model, tokenizer = tiny_model("qwen3")
+    config = model.config
+    head_dim, kv_heads, q_heads = config.head_dim, config.num_key_value_heads, config.num_attention_heads
+    width = kv_heads * head_dim  # channels of the token codes
+    codes = torch.randn(config.vocab_size, width, generator=torch.Generator().manual_seed(0))
+    codes = codes / codes.norm(dim=-1, keepdim=True) * math.sqrt(width)
+    fast, half = 3, head_dim // 2  # rotary pair i is (dim i, dim i + half), rotated by position * inv_freq[i]
+    angle = (period - 1) * model.model.rotary_emb.inv_freq[:fast]
+    query, key = torch.zeros(head_dim), torch.zeros(head_dim)
+    query[:fast] = 1.0
+    key[:fast], key[half:half + fast] = torch.cos(angle), torch.sin(angle)
+    attention = model.model.layers[0].self_attn
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()
+        for module in model.modules():
+            if type(module).__name__.endswith("RMSNorm"):
+                module.weight.fill_(1.0)
+        model.model.embed_tokens.weight[:, 0] = 8.0
+        model.model.embed_tokens.weight[:, 1:1 + width] = codes
+        model.lm_head.weight[:, 1:1 + width] = codes
+        attention.q_proj.weight[:, 0] = query.repeat(q_heads)
+        attention.k_proj.weight[:, 0] = key.repeat(kv_heads)
+        attention.q_norm.weight.fill_(sharpness)
+        for group in range(kv_heads):  # the first query head of each KV head writes its half of the code
+            channels, dims = slice(1 + group * head_dim, 1 + (group + 1) * head_dim), slice(group * head_dim,
+                                                                                              (group + 1) * head_dim)
+            head = group * (q_heads // kv_heads)
+            attention.v_proj.weight[dims, channels] = torch.eye(head_dim)
+            attention.o_proj.weight[channels, head * head_dim:(head + 1) * head_dim] = gain * torch.eye(head_dim)
+    return model, tokenizer
+
+
+class EvictNewest(KVPolicy):
+    """Deliberately wrong: once the cache is full, each new token overwrites the previous one, so a
+    query sees the kept prompt and itself, never the tokens generated in between."""
+
+    name = "evict_newest"
+
+    def choose_next_slot(self, layer: int, q: torch.Tensor, probs: torch.Tensor) -> None:
+        slots = self.layers[layer]
+        newest_first = slots.positions.masked_fill(~slots.valid, torch.iinfo(torch.long).max)  # free slots first
+        self.next_slot[layer].copy_(newest_first.argmax(dim=-1))
+
+
+def test_a_broken_method_is_caught():
+    period, budget, steps = 5, 16, 40
+    model, tokenizer = copy_model(period)
+    prompts = [torch.randperm(200, generator=torch.Generator().manual_seed(row))[:24].add(10).tolist()
+               for row in range(4)]
+    generation = GenerationConfig(max_new_tokens=steps, ignore_eos=True)
+
+    def fidelity(policy_factory):
+        engine = Engine(model, policy_factory, [], tokenizer.pad_token_id)
+        result = teacher_force(engine, prompts, generation, VanillaPolicy)
+        return result, np.mean(result.agreement), np.mean(result.kl)
+
+    faithful, faithful_agreement, faithful_kl = fidelity(lambda: StreamingPolicy(budget, n_sink=4))
+    for prompt, tokens in zip(prompts, faithful.tokens, strict=True):  # the model does what it was built for
+        sequence = prompt + tokens
+        assert tokens == [sequence[t - period] for t in range(len(prompt), len(sequence))]
+    # StreamingLLM's window (budget - n_sink = 12 positions) covers the distance the model reads from.
+    assert faithful_agreement == 1.0 and faithful_kl < 1e-3
+    _, broken_agreement, broken_kl = fidelity(lambda: EvictNewest(budget))
+    assert broken_agreement < 0.5 and broken_kl > 1.0
