@@ -21,7 +21,7 @@ def regrade(run: Path, workers: int = 2, timeout: int = 10) -> dict:
     """Re-grades one run directory in place; returns its new metrics."""
     from evals.grading import GradeRequest, grade_many
     from evals.metrics import summarize
-    from evals.store import BATCHES, GENERATIONS, IDENTITY, METRICS, atomic_write, read_records
+    from evals.store import BATCHES, FIDELITY, GENERATIONS, IDENTITY, METRICS, atomic_write, read_records
 
     if not (run / IDENTITY).exists() or not (run / GENERATIONS).exists():
         raise UserError(f"{run} is not a run directory (no {IDENTITY} or {GENERATIONS})")
@@ -39,7 +39,8 @@ def regrade(run: Path, workers: int = 2, timeout: int = 10) -> dict:
         changed += record["correct"] != grade.correct
         record.update(extracted=grade.extracted, correct=grade.correct, reason=grade.reason)
     atomic_write(run / GENERATIONS, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    metrics = summarize({**identity, "run_id": run.name}, records, read_records(run / BATCHES))
+    metrics = summarize({**identity, "run_id": run.name}, records, read_records(run / BATCHES),
+                        read_records(run / FIDELITY))
     atomic_write(run / METRICS, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     print(f"{run}: {len(todo)} outputs re-graded, {changed} changed, accuracy {metrics['accuracy']}")
     return metrics

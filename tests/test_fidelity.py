@@ -1,19 +1,24 @@
-"""Teacher-forced fidelity (`longflow.fidelity`): against plain HF forwards, and on a hand-built model
-whose needs are known."""
+"""Teacher-forced fidelity (`longflow.fidelity`): against plain HF forwards, on a hand-built model whose
+needs are known, the metrics summary's definition and the run option (resumable, same run)."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import REPO, tiny_model
 from test_engine import hf_attention
+from test_run import BASE, records, run_cli, run_dirs
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from baselines.streaming import StreamingPolicy
 from baselines.vanilla import VanillaPolicy
+from evals.metrics import summarize, summarize_fidelity, trailing_mean
 from longflow.config import GenerationConfig
 from longflow.engine import Engine
 from longflow.errors import UserError
@@ -193,3 +198,100 @@ def test_a_broken_method_is_caught():
     assert faithful_agreement == 1.0 and faithful_kl < 1e-3
     _, broken_agreement, broken_kl = fidelity(lambda: EvictNewest(budget))
     assert broken_agreement < 0.5 and broken_kl > 1.0
+
+
+# ---- the summary's definition ------------------------------------------------------------------
+
+
+def fidelity_record(agreement: list[int], kl: list[float], item: str = "0") -> dict:
+    return {"id": item, "agreement": agreement, "kl": kl}
+
+
+def test_summary_definition():
+    records = [fidelity_record([1, 1, 1, 1, 0, 0, 1, 0], [0.0, 0.1, 0.1, 0.2, 0.5, 0.5, 0.3, 0.6], "a"),
+               fidelity_record([1, 1, 0, 0, 0], [0.0, 0.2, 0.4, 0.4, 1.0], "b")]
+    # Per step (agreeing, running): (2,2) (2,2) (1,2) (1,2) (0,2) (0,1) (1,1) (0,1). Trailing
+    # windows of 4 steps, pooled: t=3: 6/8, t=4: 4/8, t=5: 2/7, t=6: 2/6, t=7: 1/5.
+    expected = [math.nan] * 3 + [6 / 8, 4 / 8, 2 / 7, 2 / 6, 1 / 5]
+    np.testing.assert_allclose(trailing_mean(records, "agreement", window=4), expected)
+    summary = summarize_fidelity(records, window=4, threshold=0.5)
+    assert summary["divergence_step"] == 5  # 0.5 at t=4 is not below the threshold
+    assert summary["n_items"] == 2 and summary["n_tokens"] == 13
+    assert summary["agreement"] == pytest.approx(7 / 13)
+    assert summary["kl"] == pytest.approx(4.3 / 13)
+    assert summarize_fidelity(records, window=4, threshold=0.25)["divergence_step"] == 7
+    assert summarize_fidelity(records, window=4, threshold=0.1)["divergence_step"] is None
+    assert summarize_fidelity(records, window=9, threshold=1.0)["divergence_step"] is None  # no full window
+
+
+def test_metrics_carry_the_summary_only_with_records():
+    identity = {"run_id": "r", "model": "m", "hub_id": "h", "method": "h2o", "variant": "paper", "budget": 8,
+                "generation": "greedy", "dataset": "d", "dataset_size": 1, "generation_params": {"n_samples": 1}}
+    generations = [{"id": "0", "correct": False, "output_tokens": 3, "finish_reason": "eos", "reason": "wrong"}]
+    assert "fidelity" not in summarize(identity, generations, [])
+    records = [fidelity_record([1, 0, 1], [0.0, 0.2, 0.1])]
+    assert summarize(identity, generations, [], records)["fidelity"] == summarize_fidelity(records)
+
+
+# ---- the run option ----------------------------------------------------------------------------
+
+
+def test_fidelity_option_errors_are_one_line(tmp_path):
+    for args, needle in ((["fidelity=true", "generation=sampling"], "fidelity=true needs greedy decoding"),
+                         (["fidelity=maybe"], "fidelity must be true or false")):
+        result = run_cli(*args, f"results_dir={tmp_path}", timeout=120)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2 and len(lines) == 1 and needle in lines[0], result.stderr
+
+
+def fidelity_records(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "fidelity.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_fidelity_joins_the_run_and_resumes(tmp_path):
+    args = [*BASE, "method=h2o", "limit=2", f"results_dir={tmp_path}"]
+    first = run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    before = {run.name: (records(run), (run / "batches.jsonl").read_text()) for run in run_dirs(tmp_path)}
+
+    added = run_cli(*args, "fidelity=true")
+    assert added.returncode == 0, added.stderr
+    runs = run_dirs(tmp_path)
+    assert [run.name for run in runs] == sorted(before)  # the same runs: fidelity is not part of the identity
+    complete = {}
+    for run in runs:
+        assert (records(run), (run / "batches.jsonl").read_text()) == before[run.name]  # nothing regenerated
+        complete[run.name] = fidelity_records(run)
+        assert sorted(r["id"] for r in complete[run.name]) == sorted(r["id"] for r in records(run))
+        for record in complete[run.name]:
+            assert len(record["agreement"]) == len(record["kl"]) == record["reference_tokens"] == 24
+        metrics = json.loads((run / "metrics.json").read_text())
+        assert metrics["fidelity"] == summarize_fidelity(complete[run.name])
+
+    run = runs[0]
+    lines = (run / "fidelity.jsonl").read_text().splitlines()
+    (run / "fidelity.jsonl").write_text(lines[0] + "\n" + lines[1][:20])  # one record lost, one torn
+    resumed = run_cli(*args, "fidelity=true")
+    assert resumed.returncode == 0, resumed.stderr
+    restored = {r["id"]: r for r in fidelity_records(run)}
+    assert len(restored) == len(complete[run.name])  # no duplicates
+    for record in complete[run.name]:
+        # The redone item runs in a smaller batch (less padding): float rounding may move KL's last digit.
+        again = restored[record["id"]]
+        assert again["agreement"] == record["agreement"]
+        np.testing.assert_allclose(again["kl"], record["kl"], rtol=2e-3, atol=1e-7)
+
+    regraded = subprocess.run([sys.executable, "-m", "evals.grade", str(run)], cwd=REPO, capture_output=True,
+                              text=True, timeout=120)
+    assert regraded.returncode == 0, regraded.stderr
+    assert json.loads((run / "metrics.json").read_text())["fidelity"] == summarize_fidelity(fidelity_records(run))
+
+
+@pytest.mark.slow
+def test_vanilla_has_no_fidelity_pass(tmp_path):
+    result = run_cli(*BASE, "method=vanilla", "limit=1", "fidelity=true", f"results_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    for run in run_dirs(tmp_path):
+        assert not (run / "fidelity.jsonl").exists()
+        assert "fidelity" not in json.loads((run / "metrics.json").read_text())
