@@ -41,8 +41,8 @@ METHOD_NAMES = {"vanilla": "FullKV", "streaming": "StreamingLLM", "h2o": "H2O", 
                 "rkv": "R-KV", "longflow": "LongFlow"}
 REFERENCE = "vanilla"  # the full cache: budget "-", listed first, not a candidate for bold
 DEFAULT_VARIANT = "paper"
-PERCENT_PREFIXES = ("accuracy", "pass_at_k")  # fractions, shown in percent
-LOWER_IS_BETTER = ("latency", "ttft", "memory", "seconds", "kv_slots")  # substrings of metric names
+PERCENT_PREFIXES = ("accuracy", "pass_at_k", "fidelity.agreement")  # fractions, shown in percent
+LOWER_IS_BETTER = ("latency", "ttft", "memory", "seconds", "kv_slots", "fidelity.kl")  # substrings of metric names
 AVG = "Avg."
 DAGGER = "†"
 LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",

@@ -1,5 +1,5 @@
 """Teacher-forced fidelity (`longflow.fidelity`): against plain HF forwards, on a hand-built model whose
-needs are known, the metrics summary's definition and the run option (resumable, same run)."""
+needs are known, the metrics summary's definition, the run option (resumable, same run) and its figure."""
 
 from __future__ import annotations
 
@@ -13,12 +13,16 @@ import pytest
 import torch
 from conftest import REPO, tiny_model
 from test_engine import hf_attention
+from test_figures import is_png, write_run
 from test_run import BASE, records, run_cli, run_dirs
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from baselines.streaming import StreamingPolicy
 from baselines.vanilla import VanillaPolicy
+from evals.figures import main as figures_main
+from evals.figures import plot_fidelity
 from evals.metrics import summarize, summarize_fidelity, trailing_mean
+from evals.table import build_table, collect
 from longflow.config import GenerationConfig
 from longflow.engine import Engine
 from longflow.errors import UserError
@@ -295,3 +299,46 @@ def test_vanilla_has_no_fidelity_pass(tmp_path):
     for run in run_dirs(tmp_path):
         assert not (run / "fidelity.jsonl").exists()
         assert "fidelity" not in json.loads((run / "metrics.json").read_text())
+
+
+# ---- the figure --------------------------------------------------------------------------------
+
+
+def test_fidelity_figure(tmp_path, capsys):
+    root = tmp_path / "runs"
+    write_run(root, "tiny_qwen3", "vanilla", None, "gsm8k", 0.6)
+    rng = np.random.default_rng(0)
+    for budget in (128, 256):
+        for method in ("streaming", "longflow"):
+            write_run(root, "tiny_qwen3", method, budget, "gsm8k", 0.5)
+            run = next(root.glob(f"*__{method}__b{budget}__*"))
+            lines = [json.dumps(fidelity_record((rng.random(n) < 0.9).astype(int).tolist(),
+                                                rng.random(n).tolist(), str(i)))
+                     for i, n in enumerate((40, 64, 64))]
+            (run / "fidelity.jsonl").write_text("\n".join(lines) + "\n")
+    assert is_png(plot_fidelity(collect(root), tmp_path / "figs"))
+    assert figures_main(["--runs", str(root), "--out", str(tmp_path / "all")]) == 0
+    printed = [p.rsplit("/", 1)[-1] for p in capsys.readouterr().out.split()]
+    assert printed == ["accuracy_vs_budget.png", "throughput_vs_budget.png", "fidelity_vs_step.png"]
+    without = tmp_path / "plain"
+    write_run(without, "tiny_qwen3", "h2o", 128, "gsm8k", 0.5)
+    with pytest.raises(UserError, match="fidelity=true"):
+        plot_fidelity(collect(without), tmp_path / "figs")
+
+
+def test_fidelity_table(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "tiny_qwen3", "vanilla", None, "gsm8k", 0.6)
+    for method, agreement, kl in (("streaming", 0.5, 0.2), ("longflow", 0.8, 0.1)):
+        write_run(root, "tiny_qwen3", method, 128, "gsm8k", 0.5)
+        metrics = next(root.glob(f"*__{method}__*")) / "metrics.json"
+        metrics.write_text(json.dumps({**json.loads(metrics.read_text()),
+                                       "fidelity": {"agreement": agreement, "kl": kl}}))
+    # Agreement in percent, higher is better; KL as is, lower is better: LongFlow is bold in both.
+    for metric, values in (("fidelity.agreement", [50.0, 80.0]), ("fidelity.kl", [0.2, 0.1])):
+        table = build_table(collect(root), metric)
+        column = table.values.columns[0]
+        by_method = table.values[column].droplevel(["Model", "Budget"])
+        assert math.isnan(by_method["FullKV"]) and by_method[["StreamingLLM", "LongFlow"]].tolist() == values
+        bold = table.bold[column].droplevel(["Model", "Budget"])
+        assert bold["LongFlow"] and not bold["StreamingLLM"]
