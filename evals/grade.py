@@ -17,6 +17,7 @@ from pathlib import Path
 
 from evals.store import (
     BATCHES,
+    FIDELITY,
     GENERATIONS,
     IDENTITY,
     ITEMS,
@@ -61,7 +62,8 @@ def _regrade(run: Path, workers: int, timeout: int) -> dict:
         record.update(extracted=grade.extracted, correct=grade.correct, reason=grade.reason)
     atomic_write(run / GENERATIONS, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     scope = read_json_file(run / ITEMS) if (run / ITEMS).exists() else None
-    metrics = summarize({**identity, "run_id": run.name}, in_scope(records, scope), read_records(run / BATCHES))
+    metrics = summarize({**identity, "run_id": run.name}, in_scope(records, scope), read_records(run / BATCHES),
+                        in_scope(read_records(run / FIDELITY), scope))
     atomic_write(run / METRICS, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     print(f"{run}: {len(todo)} outputs re-graded, {changed} changed, accuracy {metrics['accuracy']}")
     return metrics

@@ -5,8 +5,9 @@
     python -m evals.run -m method=vanilla,h2o,longflow budget=1024,2048 dataset=gsm8k limit=64
 
 One run directory per dataset under `results_dir` (see `evals.store`): generations.jsonl,
-batches.jsonl, metrics.json, config.yaml, run.json, provenance.json. Starting the same config again
-resumes: only the missing items are generated.
+batches.jsonl, metrics.json, config.yaml, run.json, provenance.json, and with `fidelity=true`
+fidelity.jsonl (`run_fidelity`). Starting the same config again resumes: only the missing items
+are generated.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from longflow.errors import UserError, report
 
 GROUPS = ("model", "method", "dataset", "generation", "experiment")
 TOP_LEVEL_KEYS = ("model", "method", "dataset", "generation", "budget", "limit", "device", "require_gpu",
-                  "results_dir", "engine", "grading", "local")
+                  "results_dir", "engine", "grading", "fidelity", "local")
 DATASET_KEYS = ("names", "root", "shuffle_choices", "seed", "overrides")
 GRADING_KEYS = ("workers", "timeout")
 INTERRUPTED = 130  # the exit code of a process ended by SIGINT
@@ -91,6 +92,7 @@ class Setup:
     model: Any  # longflow.models.ModelSpec
     limit: int | None
     grading: dict
+    fidelity: bool = False
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Setup:
@@ -127,12 +129,13 @@ class Setup:
         limit = cfg.get("limit")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
             raise UserError(f"limit must be a positive integer or null, got {limit!r}")
+        generation = from_mapping(GenerationConfig, generation_params, "generation")
         return cls(
             method=method, method_params=method_params, budget=budget, generation_name=generation_name,
             protocol=protocol, generation_params=generation_params,
-            generation=from_mapping(GenerationConfig, generation_params, "generation"),
-            engine=from_mapping(EngineConfig, cfg["engine"], "engine"),
+            generation=generation, engine=from_mapping(EngineConfig, cfg["engine"], "engine"),
             model=from_mapping(ModelSpec, cfg["model"], "model"), limit=limit, grading=dict(cfg["grading"]),
+            fidelity=fidelity_option(cfg.get("fidelity", False), generation_name, generation),
         )
 
     def identity(self, job: Job, tokenizer) -> dict[str, Any]:
@@ -238,7 +241,7 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
         run.write_json(ITEMS, [item.id for item in job.items])
         if config_yaml is not None:
             run.write_text(CONFIG, config_yaml)
-        records, batches = run.generations(), run.batches()
+        records, batches, fidelity = run.generations(), run.batches(), run.fidelity()
         done = {(r["id"], r["sample"]) for r in records}
         work = [(item, sample) for item in job.items for sample in range(generation.n_samples)
                 if (item.id, sample) not in done]
@@ -257,16 +260,23 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
                 run.append(new_records, batch)
                 records += new_records
                 batches.append(batch)
-                run.write_json(METRICS, summarize(identity, in_scope(records, current), batches))
+                run.write_json(METRICS, summarize(identity, in_scope(records, current), batches,
+                                                  in_scope(fidelity, current)))
                 progress.update(len(new_records))
+            progress.close()
+            if setup.fidelity and setup.method != "vanilla":
+                fidelity = run_fidelity(run, job, setup, engine, prompts, fidelity)
         except KeyboardInterrupt:
             progress.close()
             raise Interrupted(run.path, len(run.generations())) from None  # what the file holds
-        progress.close()
-        metrics = summarize(identity, in_scope(records, current), batches)
+        metrics = summarize(identity, in_scope(records, current), batches, in_scope(fidelity, current))
         run.write_json(METRICS, metrics)
     print(f"{run.path}: accuracy {fmt(metrics['accuracy'])} over {metrics['n_items']} items, "
           f"{fmt(metrics['tokens_per_second'])} tok/s, peak KV slots {metrics['peak_kv_slots']}")
+    if "fidelity" in metrics:
+        summary = metrics["fidelity"]
+        print(f"{run.path}: teacher-forced agreement {fmt(summary['agreement'])}, KL {fmt(summary['kl'])} nats, "
+              f"divergence step {summary['divergence_step']} over {summary['n_items']} items")
     return metrics
 
 
@@ -359,6 +369,54 @@ def generate_batch(units, job: Job, setup: Setup, engine, tokenizer, prompts) ->
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     return records, batch
+
+
+def fidelity_option(value, generation_name: str, generation) -> bool:
+    """The `fidelity` field, checked: a boolean, and true only with greedy decoding."""
+    if not isinstance(value, bool):
+        raise UserError(f"fidelity must be true or false, got {value!r}")
+    if value and not generation.greedy:
+        raise UserError(f"fidelity=true needs greedy decoding (it follows the full cache's greedy tokens); "
+                        f"generation {generation_name!r} samples at temperature {generation.temperature}")
+    return value
+
+
+def run_fidelity(run, job: Job, setup: Setup, engine, prompts: dict, done: list[dict]) -> list[dict]:
+    """The teacher-forced pass (`longflow.fidelity`) of the method against the full cache, over the
+    items of `job` that `done` (the stored records) lacks; appends their records to fidelity.jsonl
+    batch by batch, so a killed pass resumes like generation. Returns every record. Items whose
+    prompt and output cannot fit the model's positions have no record."""
+    from tqdm import tqdm
+
+    from longflow.fidelity import teacher_force
+    from longflow.methods import build_policy
+
+    generation = setup.generation
+    max_positions = engine.model.config.get_text_config().max_position_embeddings
+    stored = {record["id"] for record in done}
+    work = [item for item in job.items
+            if item.id not in stored and len(prompts[item.id]) + generation.max_new_tokens <= max_positions]
+    work.sort(key=lambda item: -len(prompts[item.id]))  # similar lengths batch together
+    records = list(done)
+    progress = tqdm(total=len(work), desc=f"{setup.method}/{job.name} fidelity", unit="item", dynamic_ncols=True)
+    for start in range(0, len(work), setup.engine.batch_size):
+        items = work[start:start + setup.engine.batch_size]
+        result = teacher_force(engine, [prompts[item.id] for item in items], generation,
+                               lambda: build_policy("vanilla", None))
+        new_records = [
+            {
+                "id": item.id, "dataset": job.name, "prompt_tokens": len(prompts[item.id]),
+                "reference_tokens": len(result.tokens[row]), "reference_finish": result.finish_reasons[row],
+                "agreement": [int(agrees) for agrees in result.agreement[row]],
+                "kl": [float(f"{kl:.4g}") for kl in result.kl[row]],  # 4 significant digits: the file stays small
+            }
+            for row, item in enumerate(items)
+        ]
+        run.append_fidelity(new_records)
+        records += new_records
+        progress.update(len(items))
+    progress.close()
+    return records
 
 
 def decode(tokenizer, tokens: list[int], eos_ids: list[int]) -> str:

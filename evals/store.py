@@ -8,7 +8,9 @@ config again resumes the old one.
 
 Records are appended to `generations.jsonl` one whole line per item and sample, flushed and
 fsynced after every batch. A run killed at any moment leaves at worst a torn last line, which the
-next start cuts off: that item is redone, nothing else is lost or duplicated.
+next start cuts off: that item is redone, nothing else is lost or duplicated. The teacher-forced
+fidelity records (`fidelity.jsonl`, one line per item) are kept the same way. They belong to the
+same run: they are a function of its identity and change none of its outputs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any, TextIO
 from longflow.errors import UserError
 
 GENERATIONS = "generations.jsonl"
+FIDELITY = "fidelity.jsonl"
 BATCHES = "batches.jsonl"
 METRICS = "metrics.json"
 IDENTITY = "run.json"
@@ -158,6 +161,12 @@ class RunDir:
 
     def batches(self) -> list[dict]:
         return read_records(self.path / BATCHES)
+
+    def fidelity(self) -> list[dict]:
+        return read_records(self.path / FIDELITY)
+
+    def append_fidelity(self, records: list[dict]) -> None:
+        append_records(self.path / FIDELITY, records)
 
     def append(self, generations: list[dict], batch: dict | None = None) -> None:
         # Generations first: a batch line without its generations would count time for lost work.
