@@ -82,6 +82,9 @@ class Engine:
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.q_heads
         self.vocab = text_config.vocab_size
         self.dtype = next(model.parameters()).dtype
+        # Handed to the policies that re-rotate cached keys (StreamingLLM's `lf_repo`), so that they
+        # use the model's own frequencies and scaling (Llama 3.1's `rope_scaling` included).
+        self.rotary = getattr(model.get_decoder(), "rotary_emb", None)
 
     # ---- the steps ---------------------------------------------------------------------------
 
@@ -125,17 +128,21 @@ class Engine:
         self.emit(state, select_tokens(logits, generation, state.seeds, state.step, state.seen), generation)
 
     def decode_n_tokens(self, cache, state, generation, steps: int) -> tuple[list[float], bool]:
-        """Runs up to `steps` decode steps; returns (seconds per step, whether a graph was used)."""
-        policy, on_gpu = cache.policy, self.device.type == "cuda"
+        """Runs up to `steps` decode steps; returns (seconds per step, whether a graph was used).
+
+        The step is captured once, at the first step after the first (eager) one that the policy
+        does not ask to run eagerly; the steps it asks for (`before_step`) always run eagerly.
+        """
+        policy = cache.policy
         run_step = lambda: self.decode_one_token(cache, state, generation)  # noqa: E731
         timer = StepTimer(self.device)
-        use_graph = False
+        graph, tried = None, not (self.device.type == "cuda" and self.config.cuda_graph)
         for step in range(steps):
-            if step == 1 and on_gpu and self.config.cuda_graph:
-                graph = capture(run_step)
-                use_graph = graph is not None
+            eager = policy.before_step(step)
+            if not tried and step >= 1 and not eager:
+                graph, tried = capture(run_step), True
             timer.start()
-            if use_graph:
+            if graph is not None and not eager:
                 graph.replay()
             else:
                 run_step()
@@ -143,7 +150,7 @@ class Engine:
             policy.after_step(step)
             if (step + 1) % self.config.check_every == 0 and bool(state.finished.all()):
                 break
-        return timer.seconds(), use_graph
+        return timer.seconds(), graph is not None
 
     # ---- a batch -----------------------------------------------------------------------------
 
@@ -176,7 +183,7 @@ class Engine:
         policy.allocate(CacheSpec(
             batch=batch, layers=self.num_layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, prompt_len=length, max_new_tokens=generation.max_new_tokens,
-            dtype=self.dtype, device=self.device,
+            dtype=self.dtype, device=self.device, rotary=self.rotary,
         ))
         cache = PolicyCache(policy, self.num_layers)
         state = DecodeState(batch, generation.max_new_tokens, self.vocab, seeds, self.pad_id, self.device,
