@@ -56,3 +56,22 @@ def test_small_budget_holds_under_graphs(tiny_cuda, method):
     result = engine.generate(prompts, GenerationConfig(max_new_tokens=300), [0, 1, 2])
     assert max(result.peak_slots) <= budget
     assert all(len(t) == 300 for t in result.tokens)
+
+
+@pytest.mark.parametrize("method", sorted(set(METHODS) - {"vanilla"}))
+def test_lf_repo_graphs_give_the_eager_tokens(tiny_cuda, method):
+    """The lf_repo variants under CUDA graphs (StreamingLLM's in-place re-rotation captured, R-KV's
+    cutting steps run eagerly between replays) give the tokens of eager decoding."""
+    model, tokenizer = tiny_cuda
+    prompts = [tokenizer(t * 4)["input_ids"] for t in TEXTS]
+    budget = 300 if method == "rkv" else 48  # R-KV: one cut every 129 steps after the first
+
+    def run(cuda_graph):
+        engine = Engine(model, lambda: build_policy(method, budget, variant="lf_repo"), [], tokenizer.pad_token_id,
+                        EngineConfig(cuda_graph=cuda_graph))
+        return engine.generate(prompts, GenerationConfig(max_new_tokens=400), [0, 1, 2])
+
+    graphed, eager = run(True), run(False)
+    assert graphed.cuda_graph and not eager.cuda_graph
+    assert graphed.tokens == eager.tokens
+    assert max(graphed.peak_slots) <= budget
