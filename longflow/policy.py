@@ -135,6 +135,8 @@ class KVPolicy:
       - `prefill_scores(...)`: the prompt-compression rule (default: SnapKV);
       - `choose_next_slot(layer, probs)`: the per-step eviction rule;
       - `decode(layer, q, scale)`: the whole decode attention, when the method fuses it;
+      - `before_step(step)`: whether the coming step does host-side work inside the forward
+        (the engine then runs it eagerly, not as a CUDA-graph replay);
       - `after_step(step)`: host-side work between steps (interval compression).
     """
 
