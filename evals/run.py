@@ -220,16 +220,15 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
     from tqdm import tqdm
 
     from evals.metrics import summarize
-    from evals.prompts import build_messages, render_prompt
+    from evals.prompts import build_messages, render_prompt, truncate_prompt
     from evals.store import CONFIG, ITEMS, METRICS, PROVENANCE, RunDir, in_scope, provenance
 
     generation = setup.generation
     prompts = {}
     for item in job.items:
-        ids = render_prompt(tokenizer, build_messages(item, job.kind, setup.protocol), thinking=setup.model.thinks)
-        if generation.max_prompt_tokens is not None:
-            ids = ids[-generation.max_prompt_tokens:]  # keep the end: the question's tail and the generation prompt
-        prompts[item.id] = ids
+        ids = render_prompt(tokenizer, build_messages(item, job.kind, setup.protocol), thinking=setup.model.thinks,
+                            protocol=setup.protocol)
+        prompts[item.id] = truncate_prompt(ids, generation.max_prompt_tokens, generation.truncation_side)
     identity = setup.identity(job, tokenizer)
     max_positions = engine.model.config.get_text_config().max_position_embeddings
 

@@ -39,6 +39,8 @@ def check_types(config: Any, prefix: str) -> None:
                       "int | None": "an integer or null"}[str(field.type)]
             raise UserError(f"{prefix}.{field.name} must be {wanted}, got {value!r}")
 
+TRUNCATION_SIDES = ("left", "right")
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -57,6 +59,7 @@ class GenerationConfig:
     seed: int = 0
     ignore_eos: bool = False
     max_prompt_tokens: int | None = None
+    truncation_side: str = "left"  # which end of an over-long prompt is cut (the tokenizer's terms)
 
     def __post_init__(self):
         check_types(self, "generation")
@@ -76,6 +79,10 @@ class GenerationConfig:
             raise UserError("generation.n_samples > 1 needs sampling (temperature > 0): greedy samples are identical")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens <= 0:
             raise UserError(f"generation.max_prompt_tokens must be positive or null, got {self.max_prompt_tokens}")
+        if self.truncation_side not in TRUNCATION_SIDES:
+            raise UserError(
+                f"generation.truncation_side must be one of {TRUNCATION_SIDES}, got {self.truncation_side!r}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -83,6 +83,9 @@ class Engine:
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.q_heads
         self.vocab = text_config.vocab_size
         self.dtype = next(model.parameters()).dtype
+        # Handed to the policies that re-rotate cached keys (StreamingLLM's `lf_repo`), so that they
+        # use the model's own frequencies and scaling (Llama 3.1's `rope_scaling` included).
+        self.rotary = getattr(model.get_decoder(), "rotary_emb", None)
 
     # ---- the steps ---------------------------------------------------------------------------
 
@@ -139,17 +142,21 @@ class Engine:
         return self.run_steps(lambda: self.decode_one_token(cache, state, generation), (cache.policy,), state, steps)
 
     def run_steps(self, run_step: Callable[[], None], policies, state, steps: int) -> tuple[list[float], bool]:
-        """Runs `run_step` up to `steps` times, as a graph replay from the second step on a GPU, with
-        each policy's host hook after every step, until every row of `state` has finished."""
-        on_gpu = self.device.type == "cuda"
+        """Runs `run_step` up to `steps` times, with each policy's host hooks around every step,
+        until every row of `state` has finished.
+
+        On a GPU the step is captured once, at the first step after the first (eager) one that no
+        policy asks to run eagerly, and replayed from then on; the steps a policy asks for
+        (`before_step`) always run eagerly.
+        """
         timer = StepTimer(self.device)
-        use_graph = False
+        graph, tried = None, not (self.device.type == "cuda" and self.config.cuda_graph)
         for step in range(steps):
-            if step == 1 and on_gpu and self.config.cuda_graph:
-                graph = capture(run_step)
-                use_graph = graph is not None
+            eager = any([policy.before_step(step) for policy in policies])  # every policy's hook runs
+            if not tried and step >= 1 and not eager:
+                graph, tried = capture(run_step), True
             timer.start()
-            if use_graph:
+            if graph is not None and not eager:
                 graph.replay()
             else:
                 run_step()
@@ -158,7 +165,7 @@ class Engine:
                 policy.after_step(step)
             if (step + 1) % self.config.check_every == 0 and bool(state.finished.all()):
                 break
-        return timer.seconds(), use_graph
+        return timer.seconds(), graph is not None
 
     # ---- a batch -----------------------------------------------------------------------------
 
@@ -223,7 +230,7 @@ class Engine:
         policy.allocate(CacheSpec(
             batch=pad.shape[0], layers=self.num_layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, prompt_len=pad.shape[1], max_new_tokens=generation.max_new_tokens,
-            dtype=self.dtype, device=self.device,
+            dtype=self.dtype, device=self.device, rotary=self.rotary,
         ))
         return PolicyCache(policy, self.num_layers)
 

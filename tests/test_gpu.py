@@ -80,3 +80,22 @@ def test_teacher_forcing_under_graphs_equals_eager(tiny_cuda, method):
     reference = Engine(model, lambda: build_policy("vanilla", None), [], tokenizer.pad_token_id,
                        EngineConfig(cuda_graph=True)).generate(prompts, generation, [0, 1, 2])
     assert graphed.tokens == reference.tokens  # the reference path is the full cache's greedy output
+
+
+@pytest.mark.parametrize("method", sorted(set(METHODS) - {"vanilla"}))
+def test_lf_repo_graphs_give_the_eager_tokens(tiny_cuda, method):
+    """The lf_repo variants under CUDA graphs (StreamingLLM's in-place re-rotation captured, R-KV's
+    cutting steps run eagerly between replays) give the tokens of eager decoding."""
+    model, tokenizer = tiny_cuda
+    prompts = [tokenizer(t * 4)["input_ids"] for t in TEXTS]
+    budget = 300 if method == "rkv" else 48  # R-KV: one cut every 129 steps after the first
+
+    def run(cuda_graph):
+        engine = Engine(model, lambda: build_policy(method, budget, variant="lf_repo"), [], tokenizer.pad_token_id,
+                        EngineConfig(cuda_graph=cuda_graph))
+        return engine.generate(prompts, GenerationConfig(max_new_tokens=400), [0, 1, 2])
+
+    graphed, eager = run(True), run(False)
+    assert graphed.cuda_graph and not eager.cuda_graph
+    assert graphed.tokens == eager.tokens
+    assert max(graphed.peak_slots) <= budget
