@@ -6,7 +6,8 @@
 
 One run directory per dataset under `results_dir` (see `evals.store`): generations.jsonl,
 batches.jsonl, metrics.json, config.yaml, run.json, provenance.json. Starting the same config again
-resumes: only the missing items are generated.
+resumes: only the missing items are generated. `shard=i/n` generates every n-th item of each
+dataset into the same run directory as the other shards (`evals.shards`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from evals.configs import CONF_DIR, group_options
 from longflow.errors import UserError, report
 
 GROUPS = ("model", "method", "dataset", "generation", "experiment")
-TOP_LEVEL_KEYS = ("model", "method", "dataset", "generation", "budget", "limit", "device", "require_gpu",
-                  "results_dir", "engine", "grading", "local")
+TOP_LEVEL_KEYS = ("model", "method", "dataset", "generation", "budget", "limit", "shard", "device",
+                  "require_gpu", "results_dir", "engine", "grading", "local")
 DATASET_KEYS = ("names", "root", "shuffle_choices", "seed", "overrides")
 GRADING_KEYS = ("workers", "timeout")
 INTERRUPTED = 130  # the exit code of a process ended by SIGINT
@@ -91,10 +92,12 @@ class Setup:
     model: Any  # longflow.models.ModelSpec
     limit: int | None
     grading: dict
+    shard: Any  # evals.shards.Shard | None
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Setup:
         """Every value of the config checked, or a UserError naming the first bad one."""
+        from evals.shards import Shard
         from longflow.config import EngineConfig, GenerationConfig, from_mapping
         from longflow.methods import build_policy
         from longflow.models import ModelSpec, check_device
@@ -133,6 +136,7 @@ class Setup:
             generation=from_mapping(GenerationConfig, generation_params, "generation"),
             engine=from_mapping(EngineConfig, cfg["engine"], "engine"),
             model=from_mapping(ModelSpec, cfg["model"], "model"), limit=limit, grading=dict(cfg["grading"]),
+            shard=Shard.parse(cfg.get("shard")),
         )
 
     def identity(self, job: Job, tokenizer) -> dict[str, Any]:
@@ -188,12 +192,14 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
 
     `config_yaml`, the resolved config, is stored in each run directory.
     """
+    from evals.gpus import job_device
     from longflow.engine import Engine
     from longflow.methods import build_policy
-    from longflow.models import eos_token_ids, load_model, resolve_device
+    from longflow.models import check_device, eos_token_ids, load_model
 
+    check_device(cfg["device"])
+    device = job_device(cfg["device"])  # first: it may narrow the visible GPUs, which only works before CUDA starts
     setup = Setup.from_config(cfg)
-    device = resolve_device(cfg["device"])
     if cfg.get("require_gpu") and device.type != "cuda":
         raise UserError(
             f"this experiment needs a CUDA GPU (none visible here) and hub access to {setup.model.hub_id}; "
@@ -218,7 +224,7 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
 
     from evals.metrics import summarize
     from evals.prompts import build_messages, render_prompt
-    from evals.store import CONFIG, ITEMS, METRICS, PROVENANCE, RunDir, in_scope, provenance
+    from evals.store import CONFIG, ITEMS, PROVENANCE, RunDir, in_scope, provenance
 
     generation = setup.generation
     prompts = {}
@@ -230,42 +236,41 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
     identity = setup.identity(job, tokenizer)
     max_positions = engine.model.config.get_text_config().max_position_embeddings
 
-    current = {item.id for item in job.items}
+    current = {item.id for item in job.items}  # every shard's: the metrics cover the whole run
+    mine = setup.shard.select(job.items) if setup.shard else job.items
 
-    with RunDir(results_dir, identity) as run:
+    def metrics_of(records: list[dict], batches: list[dict]) -> dict[str, Any]:
+        return summarize(identity, in_scope(records, current), batches)
+
+    with RunDir(results_dir, identity, setup.shard) as run:
         identity = {**identity, "run_id": run.path.name}
-        run.write_json(PROVENANCE, [*run.read_json(PROVENANCE, default=[]), provenance(seeds)])
+        run.update_json(PROVENANCE, lambda entries: [*entries, provenance(seeds, engine.device)], default=[])
         run.write_json(ITEMS, [item.id for item in job.items])
         if config_yaml is not None:
             run.write_text(CONFIG, config_yaml)
-        records, batches = run.generations(), run.batches()
-        done = {(r["id"], r["sample"]) for r in records}
-        work = [(item, sample) for item in job.items for sample in range(generation.n_samples)
+        done = {(r["id"], r["sample"]) for r in run.generations()}
+        work = [(item, sample) for item in mine for sample in range(generation.n_samples)
                 if (item.id, sample) not in done]
         work.sort(key=lambda unit: -len(prompts[unit[0].id]))  # similar lengths batch together
-        progress = tqdm(total=len(work), desc=f"{setup.method}/{job.name}", unit="sample", dynamic_ncols=True)
+        name = f"{setup.method}/{job.name}" + (f" shard {setup.shard}" if setup.shard else "")
+        progress = tqdm(total=len(work), desc=name, unit="sample", dynamic_ncols=True)
         too_long = [u for u in work if len(prompts[u[0].id]) + generation.max_new_tokens > max_positions]
         if too_long:
-            failed = [failure_record(item, sample, job, len(prompts[item.id]), "prompt_too_long")
-                      for item, sample in too_long]
-            run.append(failed)
-            records += failed
+            run.commit([failure_record(item, sample, job, len(prompts[item.id]), "prompt_too_long")
+                        for item, sample in too_long], None, metrics_of)
             progress.update(len(too_long))
         work = [u for u in work if u not in too_long]
         try:
             for new_records, batch in generate_batches(work, job, setup, engine, tokenizer, prompts):
-                run.append(new_records, batch)
-                records += new_records
-                batches.append(batch)
-                run.write_json(METRICS, summarize(identity, in_scope(records, current), batches))
+                run.commit(new_records, batch, metrics_of)
                 progress.update(len(new_records))
         except KeyboardInterrupt:
             progress.close()
             raise Interrupted(run.path, len(run.generations())) from None  # what the file holds
         progress.close()
-        metrics = summarize(identity, in_scope(records, current), batches)
-        run.write_json(METRICS, metrics)
-    print(f"{run.path}: accuracy {fmt(metrics['accuracy'])} over {metrics['n_items']} items, "
+        metrics = run.commit([], None, metrics_of)
+    every = " (every shard's)" if setup.shard else ""
+    print(f"{run.path}: accuracy {fmt(metrics['accuracy'])} over {metrics['n_items']} items{every}, "
           f"{fmt(metrics['tokens_per_second'])} tok/s, peak KV slots {metrics['peak_kv_slots']}")
     return metrics
 
