@@ -18,6 +18,17 @@ RUNS ?= results/runs
 # (each baseline as its own paper defines it). ARGS: more overrides, e.g. ARGS="limit=8".
 VARIANT ?= lf_repo
 ARGS ?=
+# Table 1 as one job after another (LAUNCHER empty), or one job per method x dataset (x shard) through a
+# Hydra launcher: LAUNCHER=local_gpus runs them on this machine's GPUS GPUs, one each; LAUNCHER=slurm
+# submits them as SLURM jobs of one GPU (its fields in ARGS: ARGS="hydra.launcher.partition=gpu").
+# SHARDS=N splits every dataset among N jobs.
+LAUNCHER ?=
+GPUS ?= $(shell nvidia-smi -L 2>/dev/null | wc -l)
+SHARDS ?= 1
+TABLE1_DATASETS := aime24,aime25,amc,gpqa,gsm8k,math500,minerva,olympiad
+LAUNCH := $(if $(LAUNCHER),hydra/launcher=$(LAUNCHER) dataset=$(TABLE1_DATASETS)) \
+	$(if $(filter local_gpus,$(LAUNCHER)),hydra.launcher.gpus_per_node=$(GPUS)) \
+	$(if $(filter-out 1,$(SHARDS)),shard=$(shell seq -s, -f '%g/$(SHARDS)' 0 $$(($(SHARDS) - 1))))
 
 .PHONY: install test test-fast demo table1 table fig1 figures lint clean
 
@@ -27,7 +38,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet "$(TORCH)" "$(TRANSFORMERS)"
-	$(VENV)/bin/pip install --quiet -e ".[dev]"
+	$(VENV)/bin/pip install --quiet -e ".[dev,cluster]"  # cluster: the launchers, whose sweeps the tests run
 	touch $(STAMP)
 
 test: $(ENV)  ## the whole suite (CPU; Triton kernels through its interpreter; GPU tests skip)
@@ -44,7 +55,7 @@ demo: $(ENV)  ## every method on the tiny model and the embedded demo set, then 
 	$(PY) -m evals.figures --runs results/demo/runs --out results/demo
 
 table1: $(ENV)  ## the paper's Table 1: R1-Distill-Llama-8B, budget 2400, every method, eight datasets (GPU + hub)
-	$(PY) -m evals.run -m experiment=table1 method.variant=$(VARIANT) results_dir=$(RUNS) $(ARGS)
+	$(PY) -m evals.run -m experiment=table1 method.variant=$(VARIANT) results_dir=$(RUNS) $(LAUNCH) $(ARGS)
 	$(PY) -m evals.table --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
 	$(PY) -m evals.figures --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
 
