@@ -95,6 +95,15 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
+def peek_records(path: Path) -> list[dict]:
+    """Every complete line of a JSONL file, for readers that do not hold the run's lock (tables,
+    figures): a torn last line is skipped, not cut off, since a live run may be writing it."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    return [json.loads(line) for line in data[:data.rfind(b"\n") + 1].splitlines() if line.strip()]
+
+
 def read_json_file(path: Path) -> Any:
     """A JSON file of a run directory; UserError naming it when it is not JSON."""
     try:
