@@ -22,7 +22,6 @@ state and no display needed.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -35,7 +34,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from evals.names import model_size
-from evals.store import GENERATIONS, ITEMS, peek_records
+from evals.store import GENERATIONS, in_scope, peek_records, planned_items
 from evals.table import REFERENCE, add_filters, dataset_sort_key, keep_newest, label, load
 from longflow.errors import UserError, report
 
@@ -301,16 +300,7 @@ def file_name(text: str) -> str:
 
 def output_lengths(run: Path) -> list[int]:
     """The output lengths (tokens) of a run's stored samples, of the items its config covers."""
-    items = items_in_scope(run)
-    return [record["output_tokens"] for record in peek_records(run / GENERATIONS)
-            if items is None or record["id"] in items]
-
-
-def items_in_scope(run: Path) -> set[str] | None:
-    try:
-        return set(json.loads((run / ITEMS).read_text()))
-    except (OSError, ValueError):
-        return None
+    return [record["output_tokens"] for record in in_scope(peek_records(run / GENERATIONS), planned_items(run))]
 
 
 def plot_output_lengths(runs: pd.DataFrame, out_dir: Path) -> list[Path]:

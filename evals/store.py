@@ -104,6 +104,16 @@ def peek_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in data[:data.rfind(b"\n") + 1].splitlines() if line.strip()]
 
 
+def planned_items(run: Path) -> list[str] | None:
+    """The ids of the items a run's last config covers (items.json), for readers outside the run:
+    None when the run has no readable list."""
+    try:
+        items = json.loads((run / ITEMS).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return items if isinstance(items, list) else None
+
+
 def read_json_file(path: Path) -> Any:
     """A JSON file of a run directory; UserError naming it when it is not JSON."""
     try:

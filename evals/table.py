@@ -41,10 +41,9 @@ from evals.names import (
     method_rank,
     model_name,
 )
+from evals.store import METRICS, planned_items
 from longflow.errors import UserError, report
 
-METRICS = "metrics.json"
-ITEMS = "items.json"  # the ids of the items a run's config covers (evals.store)
 REFERENCE = "vanilla"  # the full cache: budget "-", listed first, not a candidate for bold
 AUTHORS_VARIANT = "lf_repo"  # the LongFlow authors' implementation of a baseline
 PERCENT_PREFIXES = ("accuracy", "pass_at_k")  # fractions, shown in percent
@@ -88,8 +87,9 @@ def collect(runs_dir: Path | str) -> pd.DataFrame:
         if missing:
             warn(f"skipping {path}: no {', '.join(missing)}")
             continue
+        planned = planned_items(path.parent)
         records.append({**record, "path": str(path.parent), "mtime": path.stat().st_mtime,
-                        "n_planned": planned_items(path.parent)})
+                        "n_planned": None if planned is None else len(planned)})
     if not records:
         return pd.DataFrame()
     frame = pd.json_normalize(records)
@@ -104,14 +104,6 @@ def collect(runs_dir: Path | str) -> pd.DataFrame:
     for column in ("budget", "n_items", "dataset_size", "n_planned"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("Int64")
     return frame
-
-
-def planned_items(run: Path) -> int | None:
-    try:
-        items = json.loads((run / ITEMS).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return len(items) if isinstance(items, list) else None
 
 
 def select(runs: pd.DataFrame, models=None, datasets=None, generation: str | None = None) -> pd.DataFrame:
