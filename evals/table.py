@@ -14,7 +14,7 @@ candidate). Accuracy is shown in percent with one decimal; "Avg." is the mean ov
 has. A column header gives the number of items run (the most any run of that column covers); a
 cell whose run covers fewer, or is unfinished, carries a dagger, and one footnote lists them.
 `--stderr` adds each cell's standard error (`evals.metrics.accuracy_stderr`; for Avg., that of the
-mean of independent datasets).
+mean of independent datasets, when every cell of the row has one).
 
 A method variant other than "paper" is part of the method's name ("H2O (lf_repo)"); a generation
 config becomes a row key ("Gen.") only when the selected runs have more than one. Where a method has
@@ -253,9 +253,10 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
     errors = None
     if stderr:
         errors = grid("stderr").astype(float)
-        # The mean of independent datasets: sqrt(sum of variances) / count, over the cells that have both.
-        both = errors.where(values.loc[index, errors.columns].notna())
-        errors[AVG] = (both**2).sum(axis=1, min_count=1) ** 0.5 / values.loc[index, errors.columns].notna().sum(axis=1)
+        # The mean of independent datasets: sqrt(sum of variances) / count; none when a cell lacks one.
+        shown = values.loc[index, errors.columns].notna()
+        known = (errors.notna() | ~shown).all(axis=1)
+        errors[AVG] = ((errors**2).sum(axis=1) ** 0.5 / shown.sum(axis=1)).where(known)
         errors = errors.reindex(values.index)
     decimals = decimals if decimals is not None else (1 if is_percent(metric) else 2)
     candidate = ~delta & (rows["method"].reindex(values.index) != REFERENCE)

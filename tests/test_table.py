@@ -183,13 +183,15 @@ def test_stderr(tmp_path):
     write_run(root, "m", "h2o", 64, "math500", 0.5, accuracy_stderr=0.04)
     write_run(root, "m", "h2o", 64, "aime24", 0.5)  # made before runs recorded it: no ±
     write_run(root, "m", "h2o", 64, "gsm8k", 0.125, variant="lf_repo", accuracy_stderr=0.02)
+    write_run(root, "m", "h2o", 64, "math500", 0.25, variant="lf_repo", accuracy_stderr=0.06)
     table = build_table(collect(root), stderr=True)
     row = table.stderr.loc[("m", "64", "H2O")]
     assert row["GSM8K (1319)"] == pytest.approx(3.0) and pd.isna(row["AIME24 (30)"])
-    assert row["Avg."] == pytest.approx((3.0**2 + 4.0**2) ** 0.5 / 3)  # the mean of 3: its variance / 9
+    assert pd.isna(row["Avg."])  # AIME24 has none: the mean's would be too small
+    assert table.stderr.loc[("m", "64", "H2O (lf_repo)"), "Avg."] == pytest.approx((2.0**2 + 6.0**2) ** 0.5 / 2)
     assert table.stderr.loc[("m", "64", "Δ H2O (paper − lf_repo)")].isna().all()
     md = render_markdown(table)
-    assert "| m | 64 | H2O | 50.0 | **25.0** ± 3.0 | 50.0 ± 4.0 | **41.7** ± 1.7 |" in md
+    assert "| m | 64 | H2O | 50.0 | **25.0** ± 3.0 | **50.0** ± 4.0 | **41.7** |" in md
     assert r"{\scriptsize $\pm$3.0}" in render_latex(table)
     csv = table_csv(table)
     assert csv["GSM8K (1319) SE"].tolist()[0] == pytest.approx(3.0)
