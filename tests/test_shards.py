@@ -146,3 +146,10 @@ def test_a_killed_shard_resumes_and_the_table_is_the_unsharded_one(unsharded, tm
         assert sharded.values.equals(whole.values) and not sharded.partial.to_numpy().any(), metric
     provenance = json.loads((run / "provenance.json").read_text())
     assert len(provenance) == 3 and all(entry["device"]["name"] == "cpu" for entry in provenance)
+
+
+def test_a_bad_shard_is_refused_before_anything_runs():
+    from evals.run import check_overrides
+
+    with pytest.raises(UserError, match="shard must be i/n with 0 <= i < n .* got '2/2'"):
+        check_overrides(["-m", *BASE, "shard=0/2,1/2,2/2"])
