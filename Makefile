@@ -27,7 +27,7 @@ GPUS ?= $(shell nvidia-smi -L 2>/dev/null | wc -l)
 SHARDS ?= 1
 TABLE1_DATASETS := aime24,aime25,amc,gpqa,gsm8k,math500,minerva,olympiad
 LAUNCH := $(if $(LAUNCHER),hydra/launcher=$(LAUNCHER) dataset=$(TABLE1_DATASETS)) \
-	$(if $(filter local_gpus,$(LAUNCHER)),hydra.launcher.gpus_per_node=$(GPUS)) \
+	$(if $(filter local_gpus,$(LAUNCHER)),$(if $(filter-out 0,$(GPUS)),hydra.launcher.gpus_per_node=$(GPUS))) \
 	$(if $(filter-out 1,$(SHARDS)),shard=$(shell seq -s, -f '%g/$(SHARDS)' 0 $$(($(SHARDS) - 1))))
 
 .PHONY: install test test-fast demo demo-sweep table1 table fig1 fig4 figures results lint clean
