@@ -107,7 +107,7 @@ def test_parallel_jobs_claim_different_gpus_and_wait_for_a_free_one(tmp_path):
     (gpu_a, _, end_a), (gpu_b, _, end_b), (gpu_c, start_c, _) = outputs
     assert {gpu_a, gpu_b} == {"0", "1"}
     assert float(start_c) >= min(float(end_a), float(end_b))  # only once a GPU was free again
-    assert gpu_c == (gpu_a if float(end_a) <= float(end_b) else gpu_b)
+    assert gpu_c in {"0", "1"}
 
 
 @pytest.fixture
