@@ -50,6 +50,9 @@ def prepare(runs: pd.DataFrame) -> pd.DataFrame:
     if runs.empty:
         raise UserError("no runs to plot (check --runs and the --model/--dataset/--generation filters)")
     runs = label(runs)
+    # Hollow markers for runs short of the items their config asked for (`label`), not for every run
+    # of a benchmark's first items.
+    runs["complete"] = runs["finished"]
     several = runs["generation"].nunique() > 1
     runs["series"] = [f"{m} [{g}]" if several else m
                       for m, g in zip(runs["method_label"], runs["generation"], strict=True)]

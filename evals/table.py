@@ -65,7 +65,7 @@ def warn(message: str) -> None:
 def collect(runs_dir: Path | str) -> pd.DataFrame:
     """Every readable `metrics.json` under `runs_dir`, one row each, nested dicts flattened with dots
     (`step_latency_ms.p50`, `pass_at_k.4`), plus `path` (the run directory), `mtime`, and
-    `n_planned`: the items its config covers (items.json; the items done when it has none).
+    `n_planned`: the items its config covers (items.json; the dataset's size when it has none).
 
     Unreadable or partial files (bad JSON, not an object, no model/method/dataset) are skipped with
     a warning line. Hidden folders (Hydra's `.hydra/`) are not searched. May return an empty frame.
@@ -100,7 +100,7 @@ def collect(runs_dir: Path | str) -> pd.DataFrame:
     frame["variant"] = frame["variant"].fillna(DEFAULT_VARIANT)
     frame["generation"] = frame["generation"].fillna("-")
     frame["complete"] = frame["complete"].fillna(True).astype(bool)
-    frame["n_planned"] = frame["n_planned"].fillna(frame["n_items"])
+    frame["n_planned"] = frame["n_planned"].fillna(frame["dataset_size"])  # runs from before items.json
     for column in ("budget", "n_items", "dataset_size", "n_planned"):
         frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("Int64")
     return frame
@@ -131,8 +131,13 @@ def lower_is_better(metric: str) -> bool:
 
 def label(runs: pd.DataFrame) -> pd.DataFrame:
     """`runs` plus display columns: model_label, method_label, budget_label ("-" for the full cache),
-    dataset_label, and sort keys, shared by the table and the figures."""
+    dataset_label, sort keys, and `finished`: whether a run did every item its config asked for (a
+    run of the first items, `limit`, is finished when it has them; a run of a whole benchmark when it
+    is complete, every sample included). Shared by the table and the figures."""
     runs = runs.copy()
+    done, planned, size = (runs[column].astype("Float64").fillna(float("nan")).astype(float)
+                           for column in ("n_items", "n_planned", "dataset_size"))
+    runs["finished"] = runs["complete"] | ((planned < size) & (done >= planned))
     runs["model_label"] = runs["model"].map(model_name)
     runs["method_label"] = [method_label(m, v) for m, v in zip(runs["method"], runs["variant"], strict=True)]
     runs["method_rank"] = runs["method"].map(method_rank)
@@ -228,11 +233,8 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
 
     # A column counts the items its runs were asked for (the most of any: a killed run covers fewer).
     counts = runs.groupby("dataset_label")["n_planned"].max()
-    done, planned, size = (runs[column].astype("Float64").fillna(float("nan")).astype(float)
-                           for column in ("n_items", "n_planned", "dataset_size"))
-    # Fewer items than the column's, or all of the benchmark asked for and not all done (a sample short).
-    runs["partial"] = (done < runs["dataset_label"].map(counts).astype(float)) | (
-        ~runs["complete"] & ~(planned < size))
+    done = runs["n_items"].astype("Float64").fillna(float("nan")).astype(float)
+    runs["partial"] = ~runs["finished"] | (done < runs["dataset_label"].map(counts).astype(float))
     datasets = sorted(counts.index, key=dataset_sort_key)
     headers = {d: d if pd.isna(counts[d]) else f"{d} ({int(counts[d])})" for d in datasets}
     rows = (runs.sort_values(["model_label", "budget_rank", "method_rank", "method", "method_label", "generation"])

@@ -169,7 +169,7 @@ def test_header_counts_the_items_run(tmp_path):
     write_run(root, "m", "vanilla", None, "gsm8k", 0.5, n_items=8, planned=8)
     write_run(root, "m", "h2o", 64, "gsm8k", 0.25, n_items=8, planned=8)
     write_run(root, "m", "longflow", 64, "gsm8k", 0.4, n_items=5, planned=8)  # killed at 5
-    write_run(root, "m", "h2o", 64, "math500", 0.5)  # complete, no items.json: its items done
+    write_run(root, "m", "h2o", 64, "math500", 0.5)  # complete, no items.json: the whole benchmark
     table = build_table(collect(root))
     assert list(table.values.columns) == ["GSM8K (8)", "MATH-500 (500)", "Avg."]
     assert table.partial["GSM8K (8)"].tolist() == [False, False, True]
