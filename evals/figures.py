@@ -110,8 +110,9 @@ def draw_lines(ax, data: pd.DataFrame, column: str, palette: dict[str, str]) -> 
     ax.grid(alpha=0.3)
 
 
-def add_legend(figure: Figure, runs: pd.DataFrame, bars: bool = False) -> None:
-    """One legend for the figure, beside the panels; an entry for incomplete runs when there are any."""
+def add_legend(figure: Figure, runs: pd.DataFrame, bars: bool = False, below: bool = False) -> None:
+    """One legend for the figure, beside the panels (in rows under them when `below`); an entry for
+    incomplete runs when there are any."""
     handles, labels = {}, []
     for ax in figure.axes:
         for handle, text in zip(*ax.get_legend_handles_labels(), strict=True):
@@ -122,7 +123,8 @@ def add_legend(figure: Figure, runs: pd.DataFrame, bars: bool = False) -> None:
         hollow = Line2D([], [], linestyle="none", marker="o", color="0.4", markerfacecolor="white")
         handles["incomplete run"] = Patch(facecolor="white", edgecolor="0.4", hatch=HATCH) if bars else hollow
         labels.append("incomplete run")
-    figure.legend([handles[t] for t in labels], labels, loc="outside right upper", frameon=False)
+    where = {"loc": "outside lower center", "ncols": min(len(labels), 7)} if below else {"loc": "outside right upper"}
+    figure.legend([handles[t] for t in labels], labels, frameon=False, **where)
 
 
 def save(figure: Figure, path: Path) -> Path:
@@ -251,15 +253,6 @@ def save_paper(figure: Figure, stem: Path) -> list[Path]:
     return paths
 
 
-def bottom_legend(figure: Figure, runs: pd.DataFrame) -> None:
-    """`add_legend`'s entries in one row under the panels."""
-    add_legend(figure, runs)
-    legend = figure.legends[-1]
-    handles, texts = legend.legend_handles, [text.get_text() for text in legend.get_texts()]
-    legend.remove()
-    figure.legend(handles, texts, loc="outside lower center", ncols=min(len(texts), 7), frameon=False)
-
-
 def with_average(runs: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """`runs` plus, per `keys` value, a row for the mean accuracy over the datasets (dataset_label
     `AVERAGE`), only where that value has every dataset of the frame (a mean over some would not
@@ -292,7 +285,7 @@ def plot_budget_grid(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
                 ax.set_title(dataset + ("" if pd.isna(size) else f" ({int(size)})"))
                 ax.set_ylim(bottom=0)
             figure.suptitle(model, fontsize=9)
-            bottom_legend(figure, data)
+            add_legend(figure, data, below=True)
         paths += save_paper(figure, out_dir / f"budget_grid_{file_name(model)}")
     return paths
 
@@ -377,7 +370,7 @@ def plot_model_sizes(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
             ax.grid(alpha=0.3)
         if budgets:
             figure.suptitle(f"KV budget {budgets[0]}", fontsize=9)
-        bottom_legend(figure, runs)
+        add_legend(figure, runs, below=True)
     return save_paper(figure, Path(out_dir) / "model_sizes")
 
 
