@@ -245,11 +245,12 @@ def paper_figure(panels: int, x_label: str, y_label: str, columns: int | None = 
 
 
 def save_paper(figure: Figure, stem: Path) -> list[Path]:
-    """`<stem>.png` (300 dpi) and `<stem>.pdf`."""
+    """`<stem>.png` (300 dpi) and `<stem>.pdf` (without a creation date, so that a redrawn figure is
+    the same file)."""
     stem.parent.mkdir(parents=True, exist_ok=True)
     paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".pdf")]
     figure.savefig(paths[0], dpi=300)
-    figure.savefig(paths[1])
+    figure.savefig(paths[1], metadata={"CreationDate": None})  # the same figure, the same file
     return paths
 
 
