@@ -18,8 +18,19 @@ RUNS ?= results/runs
 # (each baseline as its own paper defines it). ARGS: more overrides, e.g. ARGS="limit=8".
 VARIANT ?= lf_repo
 ARGS ?=
+# Table 1 as one job after another (LAUNCHER empty), or one job per method x dataset (x shard) through a
+# Hydra launcher: LAUNCHER=local_gpus runs them on this machine's GPUS GPUs, one each; LAUNCHER=slurm
+# submits them as SLURM jobs of one GPU (its fields in ARGS: ARGS="hydra.launcher.partition=gpu").
+# SHARDS=N splits every dataset among N jobs.
+LAUNCHER ?=
+GPUS ?= $(shell nvidia-smi -L 2>/dev/null | wc -l)
+SHARDS ?= 1
+TABLE1_DATASETS := aime24,aime25,amc,gpqa,gsm8k,math500,minerva,olympiad
+LAUNCH := $(if $(LAUNCHER),hydra/launcher=$(LAUNCHER) dataset=$(TABLE1_DATASETS)) \
+	$(if $(filter local_gpus,$(LAUNCHER)),$(if $(filter-out 0,$(GPUS)),hydra.launcher.gpus_per_node=$(GPUS))) \
+	$(if $(filter-out 1,$(SHARDS)),shard=$(shell seq -s, -f '%g/$(SHARDS)' 0 $$(($(SHARDS) - 1))))
 
-.PHONY: install test test-fast demo table1 table fig1 figures lint clean
+.PHONY: install test test-fast demo demo-sweep table1 table fig1 fig4 figures results lint clean
 
 install: $(STAMP)
 
@@ -27,7 +38,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet "$(TORCH)" "$(TRANSFORMERS)"
-	$(VENV)/bin/pip install --quiet -e ".[dev]"
+	$(VENV)/bin/pip install --quiet -e ".[dev,cluster]"  # cluster: the launchers, whose sweeps the tests run
 	touch $(STAMP)
 
 test: $(ENV)  ## the whole suite (CPU; Triton kernels through its interpreter; GPU tests skip)
@@ -42,17 +53,38 @@ demo: $(ENV)  ## every method on the tiny model and the embedded demo set, then 
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_kv_slots --metric peak_kv_slots
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_tokens_per_s --metric tokens_per_second
 	$(PY) -m evals.figures --runs results/demo/runs --out results/demo
+	$(PY) -m evals.results --runs results/demo/runs --out results/demo/results.csv
+
+DEMO_SWEEP := results/demo/sweep
+demo-sweep: $(ENV)  ## the paper's figure layouts on the demo: two tiny models, every method at two budgets
+	$(PY) -m evals.run -m experiment=demo model=tiny_qwen3,tiny_llama method=vanilla,streaming,h2o,vatp,rkv,longflow \
+		budget=48,96 limit=3 results_dir=$(DEMO_SWEEP)/runs
+	$(PY) -m evals.table --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)/table --stderr
+	$(PY) -m evals.figures --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)
+	$(PY) -m evals.figures --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP) --only sizes --budget 96
+	$(PY) -m evals.results --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)/results.csv
 
 table1: $(ENV)  ## the paper's Table 1: R1-Distill-Llama-8B, budget 2400, every method, eight datasets (GPU + hub)
-	$(PY) -m evals.run -m experiment=table1 method.variant=$(VARIANT) results_dir=$(RUNS) $(ARGS)
+	$(PY) -m evals.run -m experiment=table1 method.variant=$(VARIANT) results_dir=$(RUNS) $(LAUNCH) $(ARGS)
 	$(PY) -m evals.table --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
 	$(PY) -m evals.figures --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
+	$(PY) -m evals.results --runs $(RUNS) --out results/table1_results.csv --model r1_distill_llama_8b \
+		--generation lf_repo
 
 table: $(ENV)  ## a table of whatever runs exist
 	$(PY) -m evals.table --runs $(RUNS) --out results/table
 
-figures: $(ENV)  ## budget-sweep figures of whatever runs exist
+figures: $(ENV)  ## budget-sweep and output-length figures of whatever runs exist
 	$(PY) -m evals.figures --runs $(RUNS) --out results
+
+# The paper's Figure 4 from whatever runs exist: accuracy across model sizes, at one KV budget (BUDGET=N
+# when the runs have several).
+BUDGET ?=
+fig4: $(ENV)
+	$(PY) -m evals.figures --runs $(RUNS) --out results/fig4 --only sizes $(if $(BUDGET),--budget $(BUDGET))
+
+results: $(ENV)  ## every run's metrics in one long-format CSV (one row per run x metric)
+	$(PY) -m evals.results --runs $(RUNS) --out results/results.csv
 
 fig1: $(ENV)  ## decode-attention microbenchmark (the paper's Figure 1); needs a CUDA GPU
 	$(PY) -m evals.bench_attention --out results
@@ -61,4 +93,4 @@ lint: $(ENV)
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) results/demo/runs .pytest_cache
+	rm -rf $(VENV) results/demo/runs $(DEMO_SWEEP)/runs .pytest_cache

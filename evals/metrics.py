@@ -19,6 +19,25 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
+def accuracy_stderr(generations: list[dict], n_samples: int) -> float | None:
+    """The standard error of a run's accuracy. One sample per item: binomial, sqrt(p (1 - p) / n)
+    over the n graded outputs. Several: over the samples, the standard deviation of the per-sample
+    accuracies (sample s of every item that has one) divided by the square root of their number;
+    None with fewer than two samples done."""
+    if not generations:
+        return None
+    if n_samples == 1:
+        p = float(np.mean([bool(record["correct"]) for record in generations]))
+        return float(np.sqrt(p * (1.0 - p) / len(generations)))
+    by_sample: dict[int, list[bool]] = defaultdict(list)
+    for record in generations:
+        by_sample[record["sample"]].append(bool(record["correct"]))
+    if len(by_sample) < 2:
+        return None
+    accuracies = [np.mean(correct) for correct in by_sample.values()]
+    return float(np.std(accuracies, ddof=1) / np.sqrt(len(accuracies)))
+
+
 def summarize(identity: dict[str, Any], generations: list[dict], batches: list[dict],
               fidelity: list[dict] = ()) -> dict[str, Any]:
     """metrics.json of one run.
@@ -43,6 +62,7 @@ def summarize(identity: dict[str, Any], generations: list[dict], batches: list[d
         n_samples=n_samples,
         complete=len(complete_items) >= identity["dataset_size"],
         accuracy=float(np.mean(correct)) if correct else None,
+        accuracy_stderr=accuracy_stderr(generations, n_samples),
     )
     if n_samples > 1 and complete_items:
         ks = [k for k in (1, 2, 4, 8, 16, 32, 64) if k <= n_samples]

@@ -6,8 +6,9 @@
 
 One run directory per dataset under `results_dir` (see `evals.store`): generations.jsonl,
 batches.jsonl, metrics.json, config.yaml, run.json, provenance.json, and with `fidelity=true`
-fidelity.jsonl (`run_fidelity`). Starting the same config again resumes: only the missing items
-are generated.
+fidelity.jsonl (`run_fidelity`). Starting the same config again resumes: only the missing items are
+generated. `shard=i/n` generates every n-th item of each dataset into the same run directory as the
+other shards (`evals.shards`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from evals.configs import CONF_DIR, group_options
 from longflow.errors import UserError, report
 
 GROUPS = ("model", "method", "dataset", "generation", "experiment")
-TOP_LEVEL_KEYS = ("model", "method", "dataset", "generation", "budget", "limit", "device", "require_gpu",
-                  "results_dir", "engine", "grading", "fidelity", "local")
+TOP_LEVEL_KEYS = ("model", "method", "dataset", "generation", "budget", "limit", "shard", "device",
+                  "require_gpu", "results_dir", "engine", "grading", "fidelity", "local")
 DATASET_KEYS = ("names", "root", "shuffle_choices", "seed", "overrides")
 GRADING_KEYS = ("workers", "timeout")
 INTERRUPTED = 130  # the exit code of a process ended by SIGINT
@@ -92,11 +93,13 @@ class Setup:
     model: Any  # longflow.models.ModelSpec
     limit: int | None
     grading: dict
+    shard: Any  # evals.shards.Shard | None
     fidelity: bool = False
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Setup:
         """Every value of the config checked, or a UserError naming the first bad one."""
+        from evals.shards import Shard
         from longflow.config import EngineConfig, GenerationConfig, from_mapping
         from longflow.methods import build_policy
         from longflow.models import ModelSpec, check_device
@@ -135,6 +138,7 @@ class Setup:
             protocol=protocol, generation_params=generation_params,
             generation=generation, engine=from_mapping(EngineConfig, cfg["engine"], "engine"),
             model=from_mapping(ModelSpec, cfg["model"], "model"), limit=limit, grading=dict(cfg["grading"]),
+            shard=Shard.parse(cfg.get("shard")),
             fidelity=fidelity_option(cfg.get("fidelity", False), generation_name, generation),
         )
 
@@ -191,12 +195,14 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
 
     `config_yaml`, the resolved config, is stored in each run directory.
     """
+    from evals.gpus import job_device
     from longflow.engine import Engine
     from longflow.methods import build_policy
-    from longflow.models import eos_token_ids, load_model, resolve_device
+    from longflow.models import check_device, eos_token_ids, load_model
 
+    check_device(cfg["device"])
+    device = job_device(cfg["device"])  # first: it may narrow the visible GPUs, which only works before CUDA starts
     setup = Setup.from_config(cfg)
-    device = resolve_device(cfg["device"])
     if cfg.get("require_gpu") and device.type != "cuda":
         raise UserError(
             f"this experiment needs a CUDA GPU (none visible here) and hub access to {setup.model.hub_id}; "
@@ -221,7 +227,7 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
 
     from evals.metrics import summarize
     from evals.prompts import build_messages, render_prompt, truncate_prompt
-    from evals.store import CONFIG, ITEMS, METRICS, PROVENANCE, RunDir, in_scope, provenance
+    from evals.store import CONFIG, ITEMS, PROVENANCE, RunDir, in_scope, provenance
 
     generation = setup.generation
     prompts = {}
@@ -232,45 +238,43 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
     identity = setup.identity(job, tokenizer)
     max_positions = engine.model.config.get_text_config().max_position_embeddings
 
-    current = {item.id for item in job.items}
+    current = {item.id for item in job.items}  # every shard's: the metrics cover the whole run
+    mine = setup.shard.select(job.items) if setup.shard else job.items
 
-    with RunDir(results_dir, identity) as run:
+    def metrics_of(records: list[dict], batches: list[dict], fidelity: list[dict]) -> dict[str, Any]:
+        return summarize(identity, in_scope(records, current), batches, in_scope(fidelity, current))
+
+    with RunDir(results_dir, identity, setup.shard) as run:
         identity = {**identity, "run_id": run.path.name}
-        run.write_json(PROVENANCE, [*run.read_json(PROVENANCE, default=[]), provenance(seeds)])
+        run.update_json(PROVENANCE, lambda entries: [*entries, provenance(seeds, engine.device)], default=[])
         run.write_json(ITEMS, [item.id for item in job.items])
         if config_yaml is not None:
             run.write_text(CONFIG, config_yaml)
-        records, batches, fidelity = run.generations(), run.batches(), run.fidelity()
-        done = {(r["id"], r["sample"]) for r in records}
-        work = [(item, sample) for item in job.items for sample in range(generation.n_samples)
+        done = {(r["id"], r["sample"]) for r in run.generations()}
+        work = [(item, sample) for item in mine for sample in range(generation.n_samples)
                 if (item.id, sample) not in done]
         work.sort(key=lambda unit: -len(prompts[unit[0].id]))  # similar lengths batch together
-        progress = tqdm(total=len(work), desc=f"{setup.method}/{job.name}", unit="sample", dynamic_ncols=True)
+        name = f"{setup.method}/{job.name}" + (f" shard {setup.shard}" if setup.shard else "")
+        progress = tqdm(total=len(work), desc=name, unit="sample", dynamic_ncols=True)
         too_long = [u for u in work if len(prompts[u[0].id]) + generation.max_new_tokens > max_positions]
         if too_long:
-            failed = [failure_record(item, sample, job, len(prompts[item.id]), "prompt_too_long")
-                      for item, sample in too_long]
-            run.append(failed)
-            records += failed
+            run.commit([failure_record(item, sample, job, len(prompts[item.id]), "prompt_too_long")
+                        for item, sample in too_long], None, metrics_of)
             progress.update(len(too_long))
         work = [u for u in work if u not in too_long]
         try:
             for new_records, batch in generate_batches(work, job, setup, engine, tokenizer, prompts):
-                run.append(new_records, batch)
-                records += new_records
-                batches.append(batch)
-                run.write_json(METRICS, summarize(identity, in_scope(records, current), batches,
-                                                  in_scope(fidelity, current)))
+                run.commit(new_records, batch, metrics_of)
                 progress.update(len(new_records))
             progress.close()
             if setup.fidelity and setup.method != "vanilla":
-                fidelity = run_fidelity(run, job, setup, engine, prompts, fidelity)
+                run_fidelity(run, job, setup, engine, prompts, mine)
         except KeyboardInterrupt:
             progress.close()
             raise Interrupted(run.path, len(run.generations())) from None  # what the file holds
-        metrics = summarize(identity, in_scope(records, current), batches, in_scope(fidelity, current))
-        run.write_json(METRICS, metrics)
-    print(f"{run.path}: accuracy {fmt(metrics['accuracy'])} over {metrics['n_items']} items, "
+        metrics = run.commit([], None, metrics_of)
+    every = " (every shard's)" if setup.shard else ""
+    print(f"{run.path}: accuracy {fmt(metrics['accuracy'])} over {metrics['n_items']} items{every}, "
           f"{fmt(metrics['tokens_per_second'])} tok/s, peak KV slots {metrics['peak_kv_slots']}")
     if "fidelity" in metrics:
         summary = metrics["fidelity"]
@@ -380,11 +384,11 @@ def fidelity_option(value, generation_name: str, generation) -> bool:
     return value
 
 
-def run_fidelity(run, job: Job, setup: Setup, engine, prompts: dict, done: list[dict]) -> list[dict]:
+def run_fidelity(run, job: Job, setup: Setup, engine, prompts: dict, items: list) -> None:
     """The teacher-forced pass (`longflow.fidelity`) of the method against the full cache, over the
-    items of `job` that `done` (the stored records) lacks; appends their records to fidelity.jsonl
-    batch by batch, so a killed pass resumes like generation. Returns every record. Items whose
-    prompt and output cannot fit the model's positions have no record."""
+    `items` (this shard's) that fidelity.jsonl lacks; appends their records batch by batch, so a
+    killed pass resumes like generation. Items whose prompt and output cannot fit the model's
+    positions have no record."""
     from tqdm import tqdm
 
     from longflow.fidelity import teacher_force
@@ -392,15 +396,14 @@ def run_fidelity(run, job: Job, setup: Setup, engine, prompts: dict, done: list[
 
     generation = setup.generation
     max_positions = engine.model.config.get_text_config().max_position_embeddings
-    stored = {record["id"] for record in done}
-    work = [item for item in job.items
+    stored = {record["id"] for record in run.fidelity()}
+    work = [item for item in items
             if item.id not in stored and len(prompts[item.id]) + generation.max_new_tokens <= max_positions]
     work.sort(key=lambda item: -len(prompts[item.id]))  # similar lengths batch together
-    records = list(done)
     progress = tqdm(total=len(work), desc=f"{setup.method}/{job.name} fidelity", unit="item", dynamic_ncols=True)
     for start in range(0, len(work), setup.engine.batch_size):
-        items = work[start:start + setup.engine.batch_size]
-        result = teacher_force(engine, [prompts[item.id] for item in items], generation,
+        batch_items = work[start:start + setup.engine.batch_size]
+        result = teacher_force(engine, [prompts[item.id] for item in batch_items], generation,
                                lambda: build_policy("vanilla", None))
         new_records = [
             {
@@ -409,13 +412,11 @@ def run_fidelity(run, job: Job, setup: Setup, engine, prompts: dict, done: list[
                 "agreement": [int(agrees) for agrees in result.agreement[row]],
                 "kl": [float(f"{kl:.4g}") for kl in result.kl[row]],  # 4 significant digits: the file stays small
             }
-            for row, item in enumerate(items)
+            for row, item in enumerate(batch_items)
         ]
         run.append_fidelity(new_records)
-        records += new_records
-        progress.update(len(items))
+        progress.update(len(batch_items))
     progress.close()
-    return records
 
 
 def decode(tokenizer, tokens: list[int], eos_ids: list[int]) -> str:

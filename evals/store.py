@@ -11,6 +11,10 @@ fsynced after every batch. A run killed at any moment leaves at worst a torn las
 next start cuts off: that item is redone, nothing else is lost or duplicated. The teacher-forced
 fidelity records (`fidelity.jsonl`, one line per item) are kept the same way. They belong to the
 same run: they are a function of its identity and change none of its outputs.
+
+The shards of a run (`evals.shards`) write its directory together: every read and write of its
+files happens under a short write lock, so that no shard reads another's half-written line, and
+metrics.json is always rewritten from every shard's records.
 """
 
 from __future__ import annotations
@@ -21,12 +25,18 @@ import json
 import os
 import platform
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from longflow.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from evals.shards import Shard
 
 GENERATIONS = "generations.jsonl"
 FIDELITY = "fidelity.jsonl"
@@ -37,6 +47,7 @@ CONFIG = "config.yaml"
 PROVENANCE = "provenance.json"
 ITEMS = "items.json"  # the ids of the items the last config run here covers (`limit` picks a prefix)
 LOCK = ".lock"
+WRITE_LOCK = ".write.lock"  # held for one read or write of the run's files
 
 
 def stable_hash(value: Any, length: int = 10) -> str:
@@ -87,6 +98,25 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
+def peek_records(path: Path) -> list[dict]:
+    """Every complete line of a JSONL file, for readers that do not hold the run's lock (tables,
+    figures): a torn last line is skipped, not cut off, since a live run may be writing it."""
+    if not path.exists():
+        return []
+    data = path.read_bytes()
+    return [json.loads(line) for line in data[:data.rfind(b"\n") + 1].splitlines() if line.strip()]
+
+
+def planned_items(run: Path) -> list[str] | None:
+    """The ids of the items a run's last config covers (items.json), for readers outside the run:
+    None when the run has no readable list."""
+    try:
+        items = json.loads((run / ITEMS).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return items if isinstance(items, list) else None
+
+
 def read_json_file(path: Path) -> Any:
     """A JSON file of a run directory; UserError naming it when it is not JSON."""
     try:
@@ -104,14 +134,27 @@ def in_scope(records: list[dict], item_ids: Iterable[str] | None) -> list[dict]:
     return [record for record in records if record["id"] in wanted]
 
 
-def lock_run(path: Path) -> TextIO:
-    """An exclusive lock on the run directory `path`, held while the returned file stays open."""
-    handle = open(path / LOCK, "w")
+def lock_run(path: Path, shared: bool = False) -> TextIO:
+    """A lock on the run directory `path`, held while the returned file stays open: exclusive for a
+    whole run or a re-grade, shared by the shards of one run."""
+    return _lock(path / LOCK, fcntl.LOCK_SH if shared else fcntl.LOCK_EX,
+                 f"{path} is being written by another process; wait for it or stop it")
+
+
+def lock_shard(path: Path, shard: Shard) -> TextIO:
+    """An exclusive lock on one shard of the run directory `path`: the same shard started twice
+    would generate the same items twice."""
+    return _lock(path / f"{LOCK}.shard-{shard.index}-of-{shard.count}", fcntl.LOCK_EX,
+                 f"shard {shard} of {path} is being written by another process; wait for it or stop it")
+
+
+def _lock(path: Path, mode: int, busy: str) -> TextIO:
+    handle = open(path, "a")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(handle, mode | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise UserError(f"{path} is being written by another process; wait for it or stop it") from None
+        raise UserError(busy) from None
     return handle
 
 
@@ -125,15 +168,19 @@ def append_records(path: Path, records: Iterable[dict]) -> None:
 
 
 class RunDir:
-    """One run's directory, locked against a second process writing it at the same time."""
+    """One run's directory, locked against a second process writing it at the same time; with a
+    `shard`, shared with the other shards of the run (each shard alone in its own)."""
 
-    def __init__(self, root: Path, identity: dict[str, Any]):
+    def __init__(self, root: Path, identity: dict[str, Any], shard: Shard | None = None):
         self.identity = identity
         self.path = Path(root) / run_name(identity)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = lock_run(self.path)
+        self._locks = [lock_run(self.path, shared=shard is not None)]
         try:
-            self._check_identity()
+            if shard is not None:
+                self._locks.append(lock_shard(self.path, shard))
+            with self._writing():
+                self._check_identity()
         except BaseException:
             self.close()
             raise
@@ -147,8 +194,16 @@ class RunDir:
         else:
             atomic_write(identity_path, json.dumps(self.identity, indent=2, sort_keys=True, default=str) + "\n")
 
+    @contextmanager
+    def _writing(self) -> Iterator[None]:
+        """The write lock, around every read and write of the run's files (blocking: it is held briefly)."""
+        with open(self.path / WRITE_LOCK, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            yield
+
     def close(self) -> None:
-        self._lock.close()
+        for lock in self._locks:
+            lock.close()
 
     def __enter__(self) -> RunDir:
         return self
@@ -157,36 +212,70 @@ class RunDir:
         self.close()
 
     def generations(self) -> list[dict]:
-        return read_records(self.path / GENERATIONS)
+        with self._writing():
+            return read_records(self.path / GENERATIONS)
 
     def batches(self) -> list[dict]:
-        return read_records(self.path / BATCHES)
+        with self._writing():
+            return read_records(self.path / BATCHES)
 
     def fidelity(self) -> list[dict]:
-        return read_records(self.path / FIDELITY)
+        with self._writing():
+            return read_records(self.path / FIDELITY)
 
     def append_fidelity(self, records: list[dict]) -> None:
-        append_records(self.path / FIDELITY, records)
+        with self._writing():
+            append_records(self.path / FIDELITY, records)
 
-    def append(self, generations: list[dict], batch: dict | None = None) -> None:
-        # Generations first: a batch line without its generations would count time for lost work.
-        append_records(self.path / GENERATIONS, generations)
-        if batch is not None:
-            append_records(self.path / BATCHES, [batch])
+    def commit(self, generations: list[dict], batch: dict | None,
+               summarize: Callable[[list[dict], list[dict], list[dict]], dict[str, Any]]) -> dict[str, Any]:
+        """Appends one engine batch (its records, and its timing record unless None) and rewrites
+        metrics.json as `summarize(every stored record, every batch record, every fidelity record)`,
+        in one step against the other shards; returns the metrics. Records of an (item, sample)
+        already stored are dropped (a shard of another count made them), and the batch record with
+        them when none is left."""
+        with self._writing():
+            stored = read_records(self.path / GENERATIONS)
+            batches = read_records(self.path / BATCHES)
+            done = {(record["id"], record["sample"]) for record in stored}
+            new = [record for record in generations if (record["id"], record["sample"]) not in done]
+            # Generations first: a batch line without its generations would count time for lost work.
+            append_records(self.path / GENERATIONS, new)
+            if batch is not None and new:
+                append_records(self.path / BATCHES, [batch])
+                batches.append(batch)
+            metrics = summarize(stored + new, batches, read_records(self.path / FIDELITY))
+            atomic_write(self.path / METRICS, _json_text(metrics))
+        return metrics
 
     def read_json(self, name: str, default: Any = None) -> Any:
-        path = self.path / name
-        return read_json_file(path) if path.exists() else default
+        with self._writing():
+            path = self.path / name
+            return read_json_file(path) if path.exists() else default
 
     def write_json(self, name: str, value: Any) -> None:
-        atomic_write(self.path / name, json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")
+        with self._writing():
+            atomic_write(self.path / name, _json_text(value))
+
+    def update_json(self, name: str, change: Callable[[Any], Any], default: Any = None) -> None:
+        """Rewrites a JSON file as `change(its value, or default)`, in one step against the other shards."""
+        with self._writing():
+            path = self.path / name
+            atomic_write(path, _json_text(change(read_json_file(path) if path.exists() else default)))
 
     def write_text(self, name: str, text: str) -> None:
-        atomic_write(self.path / name, text)
+        with self._writing():
+            atomic_write(self.path / name, text)
 
 
-def provenance(seeds: dict[str, int]) -> dict[str, Any]:
-    """Where and with what a run was made: git state, package versions, device, seeds."""
+def _json_text(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, default=str) + "\n"
+
+
+def provenance(seeds: dict[str, int], device: torch.device) -> dict[str, Any]:
+    """Where and with what a run was made: git state, package versions, the device (`evals.gpus`), seeds."""
+    from evals.gpus import device_record
+
     repo = Path(__file__).resolve().parents[1]
 
     def git(*args: str) -> str | None:
@@ -211,7 +300,7 @@ def provenance(seeds: dict[str, int]) -> dict[str, Any]:
         "packages": packages,
         "python": platform.python_version(),
         "host": platform.node(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": device_record(device),
         "cuda": torch.version.cuda,
         "seeds": seeds,
     }

@@ -1,21 +1,34 @@
-"""`evals.figures` on fake run directories: which PNGs are written, and that they are real images."""
+"""`evals.figures` on fake run directories: which figures are written (real PNG and PDF files), the
+panels of the paper's figures, the averages they plot, and the output lengths they read."""
 
 from __future__ import annotations
 
 import json
 
+import pandas as pd
 import pytest
 
-from evals.figures import main, plot_budget_sweep, prepare
+from evals.figures import (
+    AVERAGE,
+    main,
+    output_lengths,
+    plot_budget_grid,
+    plot_budget_sweep,
+    plot_model_sizes,
+    plot_output_lengths,
+    prepare,
+    with_average,
+)
 from evals.table import collect
 from longflow.errors import UserError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PDF_MAGIC = b"%PDF-"
 
 
 def write_run(root, model, method, budget, dataset, accuracy, *, complete=True, variant="paper",
               generation="greedy"):
-    size = {"gsm8k": 1319, "aime24": 30}[dataset]
+    size = {"gsm8k": 1319, "aime24": 30, "math500": 500}[dataset]
     tag = "full" if budget is None else f"b{budget}"
     run_id = f"{model}__{method}__{tag}__{generation}__{dataset}__{variant}"
     metrics = {
@@ -27,6 +40,7 @@ def write_run(root, model, method, budget, dataset, accuracy, *, complete=True, 
     }
     (root / run_id).mkdir(parents=True)
     (root / run_id / "metrics.json").write_text(json.dumps(metrics))
+    return root / run_id
 
 
 def sweep(root, budgets):
@@ -45,11 +59,18 @@ def is_png(path) -> bool:
     return path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG_MAGIC
 
 
+def is_figure(path) -> bool:
+    magic = PNG_MAGIC if path.suffix == ".png" else PDF_MAGIC
+    return path.stat().st_size > 1000 and path.read_bytes()[:len(magic)] == magic
+
+
 def test_budget_sweep(tmp_path):
     runs = collect(sweep(tmp_path / "runs", [128, 256, 512]))
     paths = plot_budget_sweep(runs, tmp_path / "figs")
-    assert [p.name for p in paths] == ["accuracy_vs_budget.png", "throughput_vs_budget.png"]
-    assert all(is_png(p) for p in paths)
+    assert [p.name for p in paths] == ["accuracy_vs_budget.png", "budget_grid_tiny_llama.png",
+                                       "budget_grid_tiny_llama.pdf", "budget_grid_tiny_qwen3.png",
+                                       "budget_grid_tiny_qwen3.pdf", "throughput_vs_budget.png"]
+    assert all(is_figure(p) for p in paths)
     prepared = prepare(runs)
     assert set(prepared["series"]) == {"FullKV", "StreamingLLM", "H2O", "H2O (lf_repo)", "R-KV", "LongFlow"}
     assert prepared.loc[prepared["method"] == "vanilla", "accuracy"].eq(60.0).all()
@@ -76,3 +97,62 @@ def test_no_runs(tmp_path, capsys):
         plot_budget_sweep(collect(tmp_path / "empty"), tmp_path / "figs")
     assert main(["--runs", str(tmp_path / "empty")]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_budget_grid_has_a_panel_per_dataset_and_the_average(tmp_path, monkeypatch):
+    root = sweep(tmp_path / "runs", [128, 256])
+    for method in ("vanilla", "h2o"):
+        write_run(root, "tiny_qwen3", method, None if method == "vanilla" else 128, "math500", 0.1)
+    figures = []
+    monkeypatch.setattr("evals.figures.save_paper", lambda figure, stem: figures.append(figure) or [stem])
+    plot_budget_grid(prepare(collect(root).query("model == 'tiny_qwen3'")), tmp_path)
+    [figure] = figures
+    assert [ax.get_title() for ax in figure.axes] == ["AIME24 (30)", "GSM8K (1319)", "MATH-500 (500)", AVERAGE]
+    assert figure.get_size_inches()[0] == pytest.approx(7.0)  # a paper's text width
+
+
+def test_average_is_over_every_dataset():
+    runs = pd.DataFrame({"series": ["A", "A", "B", "B", "C"], "budget_label": ["64"] * 5,
+                         "dataset_label": ["x", "y", "x", "y", "x"], "accuracy": [10.0, 30.0, 50.0, 70.0, 90.0],
+                         "complete": [True, True, True, False, True], "method": ["a", "a", "b", "b", "c"],
+                         "budget": [64] * 5})
+    average = with_average(runs, ["series", "budget_label"]).query(f"dataset_label == '{AVERAGE}'")
+    assert dict(zip(average["series"], average["accuracy"], strict=True)) == {"A": 20.0, "B": 60.0}  # C lacks y
+    assert average.set_index("series")["complete"].to_dict() == {"A": True, "B": False}
+
+
+def test_output_lengths(tmp_path, capsys):
+    root = sweep(tmp_path / "runs", [128, 256])
+    run = write_run(root, "tiny_qwen3", "longflow", 512, "gsm8k", 0.5)
+    lines = [json.dumps({"id": str(i), "sample": 0, "output_tokens": 100 * i}) for i in range(4)]
+    generations = run / "generations.jsonl"
+    generations.write_text("\n".join(lines) + "\n" + '{"id": "4", "sam')  # a live run's torn last line
+    (run / "items.json").write_text(json.dumps(["1", "2", "3"]))  # item 0 was a larger limit's
+    assert output_lengths(run) == [100, 200, 300]
+    assert generations.read_text().endswith('"sam')  # read only: a writer's half line is left alone
+    paths = plot_output_lengths(prepare(collect(root)), tmp_path / "figs")
+    # tiny_llama's runs have no generations.jsonl: no figure of nothing
+    assert [p.name for p in paths] == ["output_lengths_tiny_qwen3.png", "output_lengths_tiny_qwen3.pdf"]
+    assert all(is_figure(p) for p in paths)
+
+
+def test_model_sizes(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "runs"
+    for model in ("r1_distill_qwen_14b", "r1_distill_qwen_1_5b", "r1_distill_llama_8b"):
+        for method, budget in (("vanilla", None), ("h2o", 256), ("longflow", 256)):
+            for dataset in ("gsm8k", "aime24"):
+                write_run(root, model, method, budget, dataset, 0.5)
+    figures = []
+    monkeypatch.setattr("evals.figures.save_paper", lambda figure, stem: figures.append(figure) or [stem])
+    plot_model_sizes(collect(root), tmp_path)
+    [figure] = figures
+    assert [ax.get_title() for ax in figure.axes] == ["AIME24", "GSM8K", AVERAGE]
+    assert [t.get_text() for t in figure.axes[0].get_xticklabels()] == [
+        "R1-Distill-Qwen-1.5B", "R1-Distill-Llama-8B", "R1-Distill-Qwen-14B"]  # smallest first
+    write_run(root, "r1_distill_qwen_14b", "h2o", 512, "gsm8k", 0.5)
+    with pytest.raises(UserError, match="budgets 256, 512; choose one with --budget"):
+        plot_model_sizes(collect(root), tmp_path)
+    monkeypatch.undo()
+    assert main(["--runs", str(root), "--out", str(tmp_path / "f"), "--only", "sizes", "--budget", "256"]) == 0
+    assert [p.rsplit("/", 1)[-1] for p in capsys.readouterr().out.split()] == ["model_sizes.png", "model_sizes.pdf"]
+    assert is_figure(tmp_path / "f" / "model_sizes.pdf")

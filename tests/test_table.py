@@ -1,15 +1,18 @@
-"""`evals.table` on fake run directories: values, Avg., bold per model, partial marks, outputs."""
+"""`evals.table` on fake run directories: values, Avg., rows by budget, bold within a budget, item counts,
+partial marks, standard errors, outputs (the LaTeX compiled when a LaTeX engine is installed)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 
 import pandas as pd
 import pytest
 
 from evals.table import (
-    best_per_model,
+    best_in_group,
     build_table,
     collect,
     main,
@@ -24,8 +27,9 @@ SIZES = {"gsm8k": 1319, "math500": 500, "aime24": 30, "demo": 8}
 
 
 def write_run(root, model, method, budget, dataset, accuracy, *, variant="paper", generation="greedy",
-              n_items=None, mtime=None, **extra):
-    """A run directory holding a metrics.json like the entry point's; returns its path."""
+              n_items=None, planned=None, mtime=None, **extra):
+    """A run directory holding a metrics.json like the entry point's, and the items.json of a config
+    that covers `planned` items (none written when None); returns its path."""
     size = SIZES[dataset]
     n_items = size if n_items is None else n_items
     tag = "full" if budget is None else f"b{budget}"
@@ -43,6 +47,8 @@ def write_run(root, model, method, budget, dataset, accuracy, *, variant="paper"
     path = root / run_id / "metrics.json"
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(metrics))
+    if planned is not None:
+        (path.parent / "items.json").write_text(json.dumps([str(i) for i in range(planned)]))
     if mtime is not None:
         os.utime(path, (mtime, mtime))
     return path.parent
@@ -88,26 +94,26 @@ def test_table_layout_values_and_bold(runs):
     table = build_table(collect(runs))
     values, bold = table.values, table.bold
     assert list(values.columns) == ["AIME24 (30)", "GSM8K (1319)", "MATH-500 (500)", "demo (8)", "Avg."]
-    assert list(values.index.names) == ["Model", "Method", "Budget"]
+    assert list(values.index.names) == ["Model", "Budget", "Method"]
     assert list(values.index) == [
-        ("tiny_llama", "FullKV", "-"), ("tiny_llama", "StreamingLLM", "64"), ("tiny_llama", "LongFlow", "64"),
-        ("tiny_qwen3", "FullKV", "-"), ("tiny_qwen3", "H2O", "64"), ("tiny_qwen3", "H2O (lf_repo)", "64"),
-        ("tiny_qwen3", "Δ H2O (paper − lf_repo)", "64"),  # a variant follows its method, then the difference
-        ("tiny_qwen3", "R-KV", "64"), ("tiny_qwen3", "LongFlow", "64"),
+        ("tiny_llama", "-", "FullKV"), ("tiny_llama", "64", "StreamingLLM"), ("tiny_llama", "64", "LongFlow"),
+        ("tiny_qwen3", "-", "FullKV"), ("tiny_qwen3", "64", "H2O"), ("tiny_qwen3", "64", "H2O (lf_repo)"),
+        ("tiny_qwen3", "64", "Δ H2O (paper − lf_repo)"),  # a variant follows its method, then the difference
+        ("tiny_qwen3", "64", "R-KV"), ("tiny_qwen3", "64", "LongFlow"),
     ]
-    delta = values.loc[("tiny_qwen3", "Δ H2O (paper − lf_repo)", "64")]
+    delta = values.loc[("tiny_qwen3", "64", "Δ H2O (paper − lf_repo)")]
     assert delta["GSM8K (1319)"] == 12.5 and pd.isna(delta["MATH-500 (500)"])
     assert delta["Avg."] == 12.5  # over GSM8K, the one dataset both variants ran
-    assert table.delta.sum() == 1 and not bold.loc[("tiny_qwen3", "Δ H2O (paper − lf_repo)", "64")].any()
-    row = values.loc[("tiny_qwen3", "LongFlow", "64")]
+    assert table.delta.sum() == 1 and not bold.loc[("tiny_qwen3", "64", "Δ H2O (paper − lf_repo)")].any()
+    row = values.loc[("tiny_qwen3", "64", "LongFlow")]
     assert row["GSM8K (1319)"] == 50.0 and row["MATH-500 (500)"] == 25.0 and pd.isna(row["AIME24 (30)"])
     assert row["Avg."] == 37.5
-    assert values.loc[("tiny_llama", "LongFlow", "64"), "GSM8K (1319)"] == 75.0  # newest of the two
-    assert values.loc[("tiny_llama", "LongFlow", "64"), "Avg."] == pytest.approx((100 / 3 + 75 + 50) / 3)
-    assert values.loc[("tiny_qwen3", "R-KV", "64"), "Avg."] == 50.0  # over its one dataset
+    assert values.loc[("tiny_llama", "64", "LongFlow"), "GSM8K (1319)"] == 75.0  # newest of the two
+    assert values.loc[("tiny_llama", "64", "LongFlow"), "Avg."] == pytest.approx((100 / 3 + 75 + 50) / 3)
+    assert values.loc[("tiny_qwen3", "64", "R-KV"), "Avg."] == 50.0  # over its one dataset
     assert any("2 runs, kept the newest" in note for note in table.notes)
 
-    bold_cells = {(model, method, column) for (model, method, _, column), b in bold.stack().items() if b}
+    bold_cells = {(model, method, column) for (model, _, method, column), b in bold.stack().items() if b}
     assert bold_cells == {
         ("tiny_llama", "LongFlow", "GSM8K (1319)"), ("tiny_llama", "LongFlow", "Avg."),
         ("tiny_qwen3", "R-KV", "GSM8K (1319)"), ("tiny_qwen3", "LongFlow", "GSM8K (1319)"),  # a tie
@@ -115,37 +121,96 @@ def test_table_layout_values_and_bold(runs):
     }
     # FullKV is the reference, never bold, though it beats every method of tiny_qwen3 on GSM8K.
     assert not bold.xs("FullKV", level="Method").to_numpy().any()
-    assert table.partial.loc[("tiny_qwen3", "LongFlow", "64"), "MATH-500 (500)"]
-    assert table.partial.loc[("tiny_qwen3", "LongFlow", "64"), "Avg."]
+    assert table.partial.loc[("tiny_qwen3", "64", "LongFlow"), "MATH-500 (500)"]
+    assert table.partial.loc[("tiny_qwen3", "64", "LongFlow"), "Avg."]
     assert table.partial.to_numpy().sum() == 2
+    assert table.footnotes == ["† incomplete: tiny_qwen3 / 64 / LongFlow / MATH-500: 4 of 500 items"]
 
 
 def test_bold_rules():
     index = pd.MultiIndex.from_tuples(
-        [("m", "FullKV", "-"), ("m", "H2O", "64"), ("m", "R-KV", "64"), ("m", "LongFlow", "64"),
-         ("n", "FullKV", "-"), ("n", "H2O", "64")], names=["Model", "Method", "Budget"])
+        [("m", "-", "FullKV"), ("m", "64", "H2O"), ("m", "64", "R-KV"), ("m", "64", "LongFlow"),
+         ("n", "-", "FullKV"), ("n", "64", "H2O")], names=["Model", "Budget", "Method"])
     values = pd.DataFrame({"tie": [9.0, 1.0, 1.0, 1.0, 9.0, 1.0], "ms": [1.0, 3.04, 4.0, 3.01, 2.0, 5.0]},
                           index=index)
     candidate = [False, True, True, True, False, True]
-    bold = best_per_model(values, candidate, decimals=1, lower=True)
+    bold = best_in_group(values, candidate, decimals=1, lower=True)
     assert not bold["tie"].any()  # all candidates tie: nothing stands out; model n has one candidate
     assert bold["ms"].tolist() == [False, True, False, True, False, False]  # 3.0 and 3.0 as shown
-    bold = best_per_model(values, candidate, decimals=2, lower=True)
+    bold = best_in_group(values, candidate, decimals=2, lower=True)
     assert bold["ms"].tolist() == [False, False, False, True, False, False]
+
+
+def test_bold_within_each_budget(tmp_path):
+    """The paper's layout: FullKV, then a block per budget, the best of each block bold."""
+    root = tmp_path / "runs"
+    write_run(root, "r1_distill_llama_8b", "vanilla", None, "gsm8k", 0.9)
+    for budget, scores in ((128, {"h2o": 0.25, "longflow": 0.5, "rkv": 0.4}),
+                           (512, {"h2o": 0.75, "longflow": 0.7, "rkv": 0.6})):
+        for method, accuracy in scores.items():
+            write_run(root, "r1_distill_llama_8b", method, budget, "gsm8k", accuracy)
+    table = build_table(collect(root))
+    assert list(table.values.index) == [
+        ("R1-Distill-Llama-8B", "-", "FullKV"), ("R1-Distill-Llama-8B", "128", "H2O"),
+        ("R1-Distill-Llama-8B", "128", "R-KV"), ("R1-Distill-Llama-8B", "128", "LongFlow"),
+        ("R1-Distill-Llama-8B", "512", "H2O"), ("R1-Distill-Llama-8B", "512", "R-KV"),
+        ("R1-Distill-Llama-8B", "512", "LongFlow")]
+    bold = table.bold["GSM8K (1319)"]
+    assert list(bold[bold].index.get_level_values("Method")) == ["LongFlow", "H2O"]  # one per budget, no FullKV
+    md = render_markdown(table)
+    assert "| R1-Distill-Llama-8B | - | FullKV | 90.0 | 90.0 |" in md
+    assert "|  | 512 | H2O | **75.0** | **75.0** |" in md and "|  |  | R-KV | 60.0 | 60.0 |" in md
+
+
+def test_header_counts_the_items_run(tmp_path):
+    """A limited sweep: the header says how many items were run, a run killed short of them is
+    marked, and a note says the column is a subset of its benchmark."""
+    root = tmp_path / "runs"
+    write_run(root, "m", "vanilla", None, "gsm8k", 0.5, n_items=8, planned=8)
+    write_run(root, "m", "h2o", 64, "gsm8k", 0.25, n_items=8, planned=8)
+    write_run(root, "m", "longflow", 64, "gsm8k", 0.4, n_items=5, planned=8)  # killed at 5
+    write_run(root, "m", "h2o", 64, "math500", 0.5)  # complete, no items.json: the whole benchmark
+    table = build_table(collect(root))
+    assert list(table.values.columns) == ["GSM8K (8)", "MATH-500 (500)", "Avg."]
+    assert table.partial["GSM8K (8)"].tolist() == [False, False, True]
+    assert table.footnotes == ["† incomplete: 64 / LongFlow / GSM8K: 5 of 8 items"]  # one model: not named
+    assert table.notes[0] == "columns of fewer items than their benchmark has (its first items): GSM8K 8 of 1319"
+
+
+def test_stderr(tmp_path):
+    root = tmp_path / "runs"
+    write_run(root, "m", "h2o", 64, "gsm8k", 0.25, accuracy_stderr=0.03)
+    write_run(root, "m", "h2o", 64, "math500", 0.5, accuracy_stderr=0.04)
+    write_run(root, "m", "h2o", 64, "aime24", 0.5)  # made before runs recorded it: no ±
+    write_run(root, "m", "h2o", 64, "gsm8k", 0.125, variant="lf_repo", accuracy_stderr=0.02)
+    write_run(root, "m", "h2o", 64, "math500", 0.25, variant="lf_repo", accuracy_stderr=0.06)
+    table = build_table(collect(root), stderr=True)
+    row = table.stderr.loc[("m", "64", "H2O")]
+    assert row["GSM8K (1319)"] == pytest.approx(3.0) and pd.isna(row["AIME24 (30)"])
+    assert pd.isna(row["Avg."])  # AIME24 has none: the mean's would be too small
+    assert table.stderr.loc[("m", "64", "H2O (lf_repo)"), "Avg."] == pytest.approx((2.0**2 + 6.0**2) ** 0.5 / 2)
+    assert table.stderr.loc[("m", "64", "Δ H2O (paper − lf_repo)")].isna().all()
+    md = render_markdown(table)
+    assert "| m | 64 | H2O | 50.0 | **25.0** ± 3.0 | **50.0** ± 4.0 | **41.7** |" in md
+    assert r"{\scriptsize $\pm$3.0}" in render_latex(table)
+    csv = table_csv(table)
+    assert csv["GSM8K (1319) SE"].tolist()[0] == pytest.approx(3.0)
+    with pytest.raises(UserError, match="--stderr is for --metric accuracy"):
+        build_table(collect(root), "tokens_per_second", stderr=True)
 
 
 def test_markdown_marks(runs):
     md = render_markdown(build_table(collect(runs)))
     print(md)
     lines = md.splitlines()
-    assert lines[0] == ("| Model | Method | Budget | AIME24 (30) | GSM8K (1319) | MATH-500 (500) | demo (8) "
+    assert lines[0] == ("| Model | Budget | Method | AIME24 (30) | GSM8K (1319) | MATH-500 (500) | demo (8) "
                         "| Avg. |")
     assert lines[1] == "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"
-    assert lines[2] == "| tiny_llama | FullKV | - | - | 100.0 | - | - | 100.0 |"
-    assert "| tiny_qwen3 | LongFlow | 64 | - | **50.0** | 25.0† | - | 37.5† |" not in md  # model shown once
-    assert "|  | LongFlow | 64 | - | **50.0** | 25.0† | - | 37.5† |" in md
-    assert "† partial: tiny_qwen3 / LongFlow / 64 / MATH-500: 4 of 500 items" in md
-    assert "|  | Δ H2O (paper − lf_repo) | 64 | - | +12.5 | - | - | +12.5 |" in md
+    assert lines[2] == "| tiny_llama | - | FullKV | - | 100.0 | - | - | 100.0 |"
+    assert "|  | 64 | H2O | - | 25.0 | **50.0** | - | 37.5 |" in md  # model shown once, budget once per block
+    assert "|  |  | LongFlow | - | **50.0** | 25.0† | - | 37.5† |" in md
+    assert "† incomplete: tiny_qwen3 / 64 / LongFlow / MATH-500: 4 of 500 items" in md
+    assert "|  |  | Δ H2O (paper − lf_repo) | - | +12.5 | - | - | +12.5 |" in md
 
 
 def test_outputs_and_csv_round_trip(runs, tmp_path):
@@ -172,7 +237,7 @@ def test_filters_and_generation_key(runs):
     frame = collect(runs)
     assert "Gen." in build_table(frame).values.index.names  # two generation configs: a row key
     table = build_table(frame[frame["generation"] == "greedy"], metric="tokens_per_second")
-    assert table.values.loc[("tiny_qwen3", "H2O", "64"), "GSM8K (1319)"] == pytest.approx(156.25)
+    assert table.values.loc[("tiny_qwen3", "64", "H2O"), "GSM8K (1319)"] == pytest.approx(156.25)
     with pytest.raises(UserError, match="unknown metric"):
         build_table(frame, metric="nonsense")
     with pytest.raises(UserError, match="no selected run has a number"):
@@ -183,7 +248,7 @@ def test_cli(runs, tmp_path, capsys):
     out = tmp_path / "t" / "table1"
     assert main(["--runs", str(runs), "--out", str(out), "--model", "tiny_qwen3", "--dataset", "GSM8K"]) == 0
     printed = capsys.readouterr().out
-    assert "| Model | Method | Budget | GSM8K (1319) | Avg. |" in printed and "tiny_llama" not in printed
+    assert "| Model | Budget | Method | GSM8K (1319) | Avg. |" in printed and "tiny_llama" not in printed
     assert out.with_name("table1.csv").exists()
 
 
@@ -195,3 +260,33 @@ def test_no_runs(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("error: no metrics.json found under") and len(err.strip().splitlines()) == 1
     assert main(["--runs", str(tmp_path / "missing")]) == 2
+
+
+LATEX_DOCUMENT = ("\\documentclass{article}\n\\usepackage[T1]{fontenc}\n\\usepackage{booktabs}\n"
+                  "\\begin{document}\n%s\\end{document}\n")
+
+
+def test_latex_is_a_table_with_a_caption(runs, tmp_path):
+    """Every row has one cell per column, environments open and close in order, models are named in
+    rows of their own, and a LaTeX engine, when one is installed, compiles it."""
+    write_run(runs, "tiny_qwen3", "h2o", 128, "gsm8k", 0.5, accuracy_stderr=0.01)
+    table = build_table(collect(runs), stderr=True)
+    tex = render_latex(table, label="tab:main")
+    lines = tex.splitlines()
+    assert lines[:5] == [r"\begin{table}[t]", r"\centering", lines[2], r"\label{tab:main}", r"\small"]
+    assert lines[2].startswith(r"\caption{Accuracy (\%) of tiny\_llama, tiny\_qwen3, rows grouped by KV budget")
+    assert lines[-1] == r"\end{table}" and r"\begin{tabular}{llrrrrr}" in lines
+    assert lines.index(r"\toprule") < lines.index(r"\bottomrule") < lines.index(r"\end{tabular}")
+    rows = [line for line in lines if line.endswith(r"\\") and not line.startswith(r"\multicolumn")]
+    assert all(row.count(" & ") == 6 for row in rows)  # Budget, Method and five columns
+    assert r"\multicolumn{7}{l}{\textit{tiny\_qwen3}} \\" in lines
+    assert r" & $\Delta$ H2O (paper $-$ lf\_repo) & - & +12.5 & - & - & +12.5 \\" in lines
+    assert lines[lines.index(r"\end{tabular}") + 1].startswith(r"\par\smallskip{\footnotesize $^\dagger$ incomplete:")
+    assert render_latex(table, wide=True).startswith(r"\begin{table*}[t]")
+    if shutil.which("pdflatex") is None:
+        return
+    (tmp_path / "doc.tex").write_text(LATEX_DOCUMENT % tex)
+    result = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", "doc.tex"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert (tmp_path / "doc.pdf").stat().st_size > 1000
