@@ -76,8 +76,8 @@ def test_commit_drops_records_already_stored(tmp_path):
     with RunDir(tmp_path, IDENTITY, Shard(0, 2)) as run:
         run.commit([record(0), record(1)], {"size": 2}, lambda stored, batches, fidelity: {})
     with RunDir(tmp_path, IDENTITY, Shard(1, 3)) as run:  # overlaps: a shard of another count
-        metrics = run.commit([record(1), record(2)], {"size": 2},
-                             lambda stored, batches, fidelity: {"ids": [r["id"] for r in stored], "batches": len(batches)})
+        metrics = run.commit([record(1), record(2)], {"size": 2}, lambda stored, batches, fidelity: {
+            "ids": [r["id"] for r in stored], "batches": len(batches)})
         assert metrics == {"ids": ["0", "1", "2"], "batches": 2}
         run.commit([record(2)], {"size": 1}, lambda stored, batches, fidelity: {})
         assert len(run.batches()) == 2  # the batch of a record already stored is not counted
