@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -69,6 +70,12 @@ def generate(tiny, factory, texts, max_new_tokens=24):
     engine = Engine(model, factory, eos_token_ids(model, tokenizer), tokenizer.pad_token_id)
     generation = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
     return prompts, engine.generate(prompts, generation, list(range(len(prompts))))
+
+
+def method_defaults(cls) -> dict:
+    """A method's own config fields and their defaults (the base class's `budget` and `budget_scope`
+    come from the run, not from the method's yaml)."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.name not in ("budget", "budget_scope")}
 
 
 def capped(cls):

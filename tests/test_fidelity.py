@@ -176,10 +176,8 @@ class EvictNewest(KVPolicy):
 
     name = "evict_newest"
 
-    def choose_next_slot(self, layer: int, q: torch.Tensor, probs: torch.Tensor) -> None:
-        slots = self.layers[layer]
-        newest_first = slots.positions.masked_fill(~slots.valid, torch.iinfo(torch.long).max)  # free slots first
-        self.next_slot[layer].copy_(newest_first.argmax(dim=-1))
+    def score(self, obs) -> torch.Tensor:
+        return -obs.positions  # the newest slot scores lowest (free slots still come first)
 
 
 def test_a_broken_method_is_caught():
