@@ -131,12 +131,14 @@ def snapkv_scores(
 def shrink_interval(name: str, budget: int, compress_every: int, least_kept: int) -> int:
     """The compression interval of an interval method under the cap (capacity = budget, cut to budget -
     interval): `compress_every`, or, when a cut would keep fewer than `least_kept` slots (a budget
-    below the interval: the demo's, a small sweep point), a quarter of the budget, with a warning."""
+    below the interval: the demo's, a small sweep point), a quarter of the budget, with a warning
+    (none when that does not fit either: the caller refuses the budget)."""
     if budget - compress_every >= least_kept:
         return compress_every
     shrunk = max(2, budget // 4)
-    warnings.warn(f"{name}: budget {budget} leaves no room for compress_every={compress_every}; using {shrunk}",
-                  stacklevel=4)
+    if budget - shrunk >= least_kept:
+        warnings.warn(f"{name}: budget {budget} leaves no room for compress_every={compress_every}; using {shrunk}",
+                      stacklevel=4)
     return shrunk
 
 
@@ -410,7 +412,7 @@ class KVPolicy:
         `prefill_keep` by `prefill_scores` (per KV head, at most its capacity - 1), in position order."""
         spec, slots = self.spec, self.layers[layer]
         length = k.shape[2]
-        keep = min(self.prefill_keep(spec), length)
+        keep = min(self.prefill_keep(spec), slots.slots - 1, length)  # a layer may hold less than the budget
         counts = None
         if slots.usable is not None:  # per-head capacities: each head keeps at most its capacity - 1
             counts = (slots.usable.sum(dim=-1) - 1).clamp(max=keep)  # [Hkv]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from evals.configs import model_spec
+from evals.configs import group_options, method_config, model_spec
+from longflow.methods import build_policy, method_factory
 from longflow.models import ModelSpec, load_model
 from longflow.policy import CacheSpec
 
@@ -70,6 +71,31 @@ def generate(tiny, factory, texts, max_new_tokens=24):
     engine = Engine(model, factory, eos_token_ids(model, tokenizer), tokenizer.pad_token_id)
     generation = GenerationConfig(max_new_tokens=max_new_tokens, ignore_eos=True)
     return prompts, engine.generate(prompts, generation, list(range(len(prompts))))
+
+
+def method_names() -> list[str]:
+    """Every method config of conf/method/: tests cover a method as soon as its yaml exists."""
+    return group_options("method")
+
+
+COMPRESSING = [name for name in method_names() if name != "vanilla"]
+
+
+def method_variants() -> list[tuple[str, str | None]]:
+    """(method, variant) for every compressing method: both variants where its config has a `variant`."""
+    return [(name, variant) for name in COMPRESSING
+            for variant in (VARIANTS if "variant" in method_config(name) else (None,))]
+
+
+def policy_of(name: str, budget: int | None, **overrides):
+    """The policy of `conf/method/<name>.yaml` with fields replaced, as the entry point builds it."""
+    return build_policy({**method_config(name), **overrides}, budget)
+
+
+def capped_policy(name: str, budget: int, **overrides):
+    """`policy_of`, with its class wrapped by `capped`."""
+    factory = method_factory({**method_config(name), **overrides})
+    return capped(factory.func)(budget=budget, **factory.keywords)
 
 
 def method_defaults(cls) -> dict:

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, tiny_model
+from conftest import COMPRESSING, REPO, policy_of, tiny_model
 from test_engine import hf_attention
 from test_figures import is_png, write_run
 from test_run import BASE, records, run_cli, run_dirs
@@ -27,13 +27,10 @@ from longflow.config import GenerationConfig
 from longflow.engine import Engine
 from longflow.errors import UserError
 from longflow.fidelity import teacher_force
-from longflow.methods import METHODS, build_policy
 from longflow.policy import KVPolicy
 
-# Small budgets shrink R-KV's compression interval, with a warning that is expected here.
-pytestmark = pytest.mark.filterwarnings("ignore:rkv.*leaves no room:UserWarning")
-
-COMPRESSING = sorted(set(METHODS) - {"vanilla"})
+# Small budgets shrink the compression interval of interval methods, with a warning expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:.*leaves no room:UserWarning")
 # One prompt shorter than the small budget below and one longer, so that prefill compression runs.
 TEXTS = ["What is 2 + 3?", "Compute the sum of the first ten odd numbers, please, and then add five."]
 
@@ -92,7 +89,7 @@ def test_a_budget_above_the_sequence_changes_nothing(tiny, method):
     prompts, steps = prompts_of(tokenizer), 24
     generation = GenerationConfig(max_new_tokens=steps, ignore_eos=True)
     budget = max(map(len, prompts)) + steps
-    engine = Engine(model, lambda: build_policy(method, budget), [], tokenizer.pad_token_id)
+    engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id)
     result = teacher_force(engine, prompts, generation, VanillaPolicy)
     full = Engine(model, VanillaPolicy, [], tokenizer.pad_token_id).generate(prompts, generation, [0, 1])
     assert result.tokens == full.tokens  # the reference is the full cache's greedy output

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate, method_defaults
+from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate, method_defaults, policy_of
 
 from baselines.h2o import H2OPolicy, prompt_attention_sums
 from longflow.errors import UserError
-from longflow.methods import build_policy
+from longflow.methods import locate
 from longflow.policy import CacheSpec
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method" / "h2o.yaml"
@@ -196,9 +196,9 @@ def test_ties_and_free_slots():
 
 def test_config_and_validation():
     fields = yaml.safe_load(CONF.read_text())
-    assert fields.pop("name") == H2OPolicy.name
+    assert fields.pop("name") == H2OPolicy.name and locate(fields.pop("_target_")) is H2OPolicy
     assert fields == method_defaults(H2OPolicy)
-    policy = build_policy("h2o", 11, **fields)
+    policy = policy_of("h2o", 11)
     assert (policy.heavy, policy.recent) == (5, 6)
     for bad in (dict(variant="lf-repo"), dict(compress_every=4), dict(heavy_ratio=1.0)):
         with pytest.raises(UserError):

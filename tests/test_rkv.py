@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import VARIANTS, capped, tiny_model
+from conftest import VARIANTS, capped, method_defaults, policy_of, tiny_model
 
 from baselines.rkv import RKVPolicy, lf_repo_scores
 from baselines.vanilla import VanillaPolicy
 from longflow.config import GenerationConfig
 from longflow.engine import Engine
 from longflow.errors import UserError
-from longflow.methods import build_policy
+from longflow.methods import locate
 from longflow.policy import CacheSpec
 
 MODES = ("cap", "target")
@@ -134,8 +134,9 @@ def test_rows_are_cut_independently(qwen3):
 def test_config_builds_the_policy():
     path = Path(__file__).resolve().parents[1] / "conf" / "method" / "rkv.yaml"
     fields = yaml.safe_load(path.read_text())
-    assert fields.pop("name") == "rkv"
-    policy = build_policy("rkv", 512, **fields)
+    assert fields.pop("name") == "rkv" and locate(fields.pop("_target_")) is RKVPolicy
+    assert fields == method_defaults(RKVPolicy)
+    policy = policy_of("rkv", 512)
     assert isinstance(policy, RKVPolicy)
     assert (policy.variant, policy.queries_held, policy.pool_kernel, policy.lam) == ("paper", 8, 7, 0.1)
     assert (policy.slots_held, policy.keep_after, policy.shared_selection) == (512, 384, False)

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate, method_defaults
+from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate, method_defaults, policy_of
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from baselines.streaming import StreamingPolicy, sink_rerotation
 from longflow.errors import UserError
-from longflow.methods import build_policy
+from longflow.methods import locate
 from longflow.policy import CacheSpec
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method" / "streaming.yaml"
@@ -105,13 +105,13 @@ def test_ties_and_free_slots():
 
 def test_config_and_validation():
     fields = yaml.safe_load(CONF.read_text())
-    assert fields.pop("name") == StreamingPolicy.name
+    assert fields.pop("name") == StreamingPolicy.name and locate(fields.pop("_target_")) is StreamingPolicy
     assert fields == method_defaults(StreamingPolicy)
-    assert build_policy("streaming", 16, **fields).sinks == 4
+    assert policy_of("streaming", 16).sinks == 4
     for bad in (dict(variant="official"), dict(n_sink=-1), dict(n_sink=16)):
         with pytest.raises(UserError):
             StreamingPolicy(16, **bad)
-    assert build_policy("streaming", 34, **{**fields, "variant": "lf_repo"}).sinks == 32
+    assert policy_of("streaming", 34, variant="lf_repo").sinks == 32
     for bad in (dict(lf_n_sink=-1), dict(lf_n_sink=32)):  # lf_repo needs budget >= lf_n_sink + 2
         with pytest.raises(UserError):
             StreamingPolicy(33, variant="lf_repo", **bad)

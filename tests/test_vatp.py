@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate, method_defaults
+from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate, method_defaults, policy_of
 
 from baselines.vatp import VATPPolicy
 from longflow.errors import UserError
-from longflow.methods import build_policy
+from longflow.methods import locate
 from longflow.policy import CacheSpec
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method" / "vatp.yaml"
@@ -160,11 +160,11 @@ def test_value_norm_ties_sinks_and_free_slots():
 
 def test_config_and_validation():
     fields = yaml.safe_load(CONF.read_text())
-    assert fields.pop("name") == VATPPolicy.name
+    assert fields.pop("name") == VATPPolicy.name and locate(fields.pop("_target_")) is VATPPolicy
     assert fields == method_defaults(VATPPolicy)
-    policy = build_policy("vatp", 40, **fields)
+    policy = policy_of("vatp", 40)
     assert (policy.sinks, policy.heavy, policy.recent) == (20, 10, 10)
-    assert build_policy("vatp", 40, variant="lf_repo").sinks == 0
+    assert policy_of("vatp", 40, variant="lf_repo").sinks == 0
     for bad in (dict(variant="repo"), dict(n_sink=-1), dict(compress_every=2), dict(n_sink=40)):
         with pytest.raises(UserError):
             VATPPolicy(40, **bad)
