@@ -9,6 +9,7 @@ and checks the shapes against the model when it allocates (`check_shape`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -23,12 +24,7 @@ def load_calibration(path: str, method: str, keys: Iterable[str]) -> dict[str, t
     if not file.is_file():
         raise UserError(f"{method}: calibration file {path!r} not found")
     try:
-        if file.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            tensors = load_file(str(file))
-        else:
-            tensors = torch.load(file, map_location="cpu", weights_only=True)
+        tensors = _read(file.resolve(), file.stat().st_mtime_ns)
     except Exception as error:  # noqa: BLE001 - any unreadable file is the user's to replace
         raise UserError(f"{method}: calibration file {path!r} is unreadable ({type(error).__name__})") from None
     if not isinstance(tensors, dict):
@@ -37,6 +33,16 @@ def load_calibration(path: str, method: str, keys: Iterable[str]) -> dict[str, t
     if missing:
         raise UserError(f"{method}: calibration file {path!r} lacks the tensor {missing[0]!r}")
     return {key: tensors[key] for key in keys}
+
+
+@functools.cache
+def _read(file: Path, modified: int) -> object:
+    """A file's content, read once per version: every batch's policy (a copy) reuses it."""
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(file))
+    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 def check_shape(tensor: torch.Tensor, shape: tuple[int, ...], what: str) -> None:

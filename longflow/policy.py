@@ -279,6 +279,11 @@ class KVPolicy:
     def on_prompt_stored(self, layer: int, kept: torch.Tensor) -> None:
         """Called after prefill with the kept prompt indices `[B, Hkv, n]` (methods with state)."""
 
+    def prepare(self, spec: CacheSpec) -> None:
+        """What a method needs from the model, checked and loaded once per batch, before the buffers
+        (the rotary embedding, a calibration file). Also called by a method that uses this one as
+        its scorer (AMS)."""
+
     def observe(self, logits: torch.Tensor, hidden_states: tuple[torch.Tensor, ...] | None) -> None:
         """The forward's logits `[B, Lq, V]` (the last position only, unless `prompt_logits` is observed
         at prefill) and, when `hidden_states` is observed, every layer's input and the final norm's
@@ -296,6 +301,7 @@ class KVPolicy:
 
     def allocate(self, spec: CacheSpec) -> None:
         """Allocate the static buffers of one batch (called again for every batch)."""
+        self.prepare(spec)
         self.spec = spec
         capacities = self.layer_capacities(spec)
         if self.budget_scope == "total" and sum(capacities) > spec.layers * self.budget:

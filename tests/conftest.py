@@ -132,10 +132,12 @@ def capped(cls):
 
 
 def drive_layer(policy, q, k, v, pad, steps, scale, rotary=None):
-    """Drives one layer of `policy` through prefill and decode as the engine does.
+    """Drives one layer of `policy` through prefill and decode as the engine does (the host hooks
+    `before_step` and `after_step` around each step).
 
     `rotary`: the model's rotary embedding, for policies that need it (`CacheSpec.rotary`).
-    Returns (held positions per step `[step][row][head] -> set`, attention output per step).
+    Returns (held positions per step `[step][row][head] -> set`, the slots that step's query
+    attended to; attention output per step).
     """
     batch, q_heads, length, head_dim = q.shape
     policy.allocate(CacheSpec(batch=batch, layers=1, q_heads=q_heads, kv_heads=k.shape[1], head_dim=head_dim,
@@ -147,11 +149,13 @@ def drive_layer(policy, q, k, v, pad, steps, scale, rotary=None):
     positions = pad.sum(dim=-1)
     policy.begin_decode(positions)
     held_log, out_log = [], []
-    for qs, ks, vs in steps:
+    for step, (qs, ks, vs) in enumerate(steps):
+        policy.before_step(step)
         policy.store(0, ks, vs)
         out_log.append(policy.attend(0, qs, ks, vs, scale)[:, 0])
         slots = policy.layers[0]
         held_log.append([[set(slots.positions[b, h][slots.valid[b, h]].tolist()) for h in range(k.shape[1])]
                          for b in range(batch)])
+        policy.after_step(step)
         positions += 1
     return held_log, out_log
