@@ -79,7 +79,7 @@ class CacheSpec:
     # The model's rotary embedding, `(x, position_ids [B, L]) -> (cos, sin) [B, L, D]` in x's dtype,
     # for methods that re-rotate cached keys or queries (None when the engine did not find one).
     rotary: Callable | None = None
-    vocab: int | None = None
+    vocab: int | None = None  # for policies that observe the logits (static buffers of `[B, vocab]`)
 
 
 def snapkv_scores(

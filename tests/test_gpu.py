@@ -1,20 +1,21 @@
-"""The engine on a GPU: CUDA-graph decoding gives HF's tokens, and every method is graph-safe, in
-generation and in the teacher-forced fidelity pass."""
+"""The engine on a GPU: CUDA-graph decoding gives HF's tokens, and every method config of conf/method/
+(TOVA, KeyDiff, Expected Attention and the AMS variants included) is graph-safe, in generation and in
+the teacher-forced fidelity pass."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import COMPRESSING, FAMILIES, policy_of, tiny_spec
+from conftest import COMPRESSING, FAMILIES, method_variants, policy_of, tiny_spec
 from test_engine import TEXTS, hf_generate
 
-from evals.configs import method_config
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine
 from longflow.fidelity import teacher_force
 from longflow.models import eos_token_ids, load_model
 
-pytestmark = pytest.mark.gpu
+# Small budgets shrink the compression interval of interval methods, with a warning expected here.
+pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore:.*leaves no room:UserWarning")]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -82,16 +83,20 @@ def test_teacher_forcing_under_graphs_equals_eager(tiny_cuda, method):
     assert graphed.tokens == reference.tokens  # the reference path is the full cache's greedy output
 
 
-@pytest.mark.parametrize("method", [name for name in COMPRESSING if "variant" in method_config(name)])
-def test_lf_repo_graphs_give_the_eager_tokens(tiny_cuda, method):
-    """The lf_repo variants under CUDA graphs (StreamingLLM's in-place re-rotation captured, R-KV's
-    cutting steps run eagerly between replays) give the tokens of eager decoding."""
+@pytest.mark.parametrize("method,variant", method_variants())
+def test_graphs_give_the_eager_tokens(tiny_cuda, method, variant):
+    """Every method and variant under CUDA graphs gives the tokens of eager decoding, with a budget that
+    compresses all along: per-step evictions captured, StreamingLLM lf_repo's in-place re-rotation
+    captured, the interval methods' compressions (R-KV, KeyDiff, Expected Attention, AMS) between
+    replays, R-KV lf_repo's cutting steps run eagerly."""
     model, tokenizer = tiny_cuda
     prompts = [tokenizer(t * 4)["input_ids"] for t in TEXTS]
-    budget = 300 if method == "rkv" else 48  # R-KV: one cut every 129 steps after the first
+    lf_repo_rkv = method == "rkv" and variant == "lf_repo"
+    budget = 300 if lf_repo_rkv else 48  # R-KV lf_repo: one cut every 129 steps after the first
+    fields = {} if variant is None else {"variant": variant}
 
     def run(cuda_graph):
-        engine = Engine(model, lambda: policy_of(method, budget, variant="lf_repo"), [], tokenizer.pad_token_id,
+        engine = Engine(model, lambda: policy_of(method, budget, **fields), [], tokenizer.pad_token_id,
                         EngineConfig(cuda_graph=cuda_graph))
         return engine.generate(prompts, GenerationConfig(max_new_tokens=400), [0, 1, 2])
 

@@ -114,9 +114,11 @@ class Observer(VanillaPolicy):
 
     def allocate(self, spec):
         super().allocate(spec)
+        self.newest_logits = torch.zeros(spec.batch, spec.vocab)  # a static buffer, as a decode step needs
         self.seen = []
 
     def observe(self, logits, hidden_states):
+        self.newest_logits.copy_(logits[:, -1])
         self.seen.append((logits.clone(), [h.clone() for h in hidden_states]))
 
 
@@ -145,6 +147,7 @@ def test_the_engine_hands_logits_and_hidden_states_to_the_policy(tiny):
     for step, (logits, hidden) in enumerate(seen[1:], start=1):
         assert logits.shape[1] == 1 and hidden[-1].shape[1] == 1
         assert logits[:, -1].argmax(dim=-1).tolist() == [tokens[step] for tokens in result.tokens]
+    assert torch.equal(made[0].newest_logits, seen[-1][0][:, -1])
 
 
 def test_no_policy_pays_for_what_it_does_not_observe(tiny, monkeypatch):
