@@ -44,7 +44,8 @@ import torch
 
 from longflow.errors import UserError
 from longflow.kernels import longflow_attention, reference
-from longflow.policy import KVPolicy, Observation, snapkv_scores
+from longflow.policy import KVPolicy, Observation
+from longflow.snapkv import snapkv_scores
 
 GRANULARITIES = ("layer", "kv_head")
 KERNELS = ("auto", "triton", "reference")

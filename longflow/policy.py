@@ -42,13 +42,13 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from longflow.attention import decode_attention, masked_decode_attention, prefill_attention, window_probs
+from longflow.attention import decode_attention, masked_decode_attention, prefill_attention
 from longflow.errors import UserError
 from longflow.history import QueryHistory
 from longflow.selection import choose_keep, choose_next, first_free
 from longflow.slots import LayerSlots, SlotCache, SlotState
+from longflow.snapkv import snapkv_scores
 
 # Slot and prompt lengths are kept multiples of ALIGN where the engine chooses them: rows of bf16
 # matmul operands and SDPA masks whose length is not a multiple of 8 elements lose 16-byte alignment,
@@ -80,52 +80,6 @@ class CacheSpec:
     # for methods that re-rotate cached keys or queries (None when the engine did not find one).
     rotary: Callable | None = None
     vocab: int | None = None  # for policies that observe the logits (static buffers of `[B, vocab]`)
-
-
-def snapkv_scores(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    pad: torch.Tensor,
-    scale: float,
-    window: int = 32,
-    kernel: int = 5,
-    shared: bool = False,
-    before_window: bool = False,
-) -> torch.Tensor:
-    """SnapKV prompt scores (Li et al. 2024): attention of the last `window` queries, avg-pooled.
-
-    The window tokens themselves get +inf so that they are always kept; padding gets -inf.
-    GQA: probabilities are summed over the query heads of a KV head; `shared` sums over all heads
-    for methods with one selection per layer. By default the window queries' softmax runs over
-    all prompt keys (causal); `before_window` restricts it, and the pooling, to the keys before the
-    window, as the LongFlow authors' SnapKV does (`lf_repo`).
-
-    Args:
-        q: `[B, Hq, L, D]`; k: `[B, Hkv, L, D]`; pad: `[B, L]` bool.
-
-    Returns:
-        `[B, Hkv, L]` float32 (identical across heads when `shared`).
-    """
-    batch, kv_heads, length = pad.shape[0], k.shape[1], pad.shape[1]
-    window = min(window, length)
-    scored = length - window if before_window else length  # keys that the window's softmax covers
-    if before_window:
-        q_heads, head_dim = q.shape[1], q.shape[3]
-        last = q[:, :, scored:].float().view(batch, kv_heads, q_heads // kv_heads, window, head_dim)
-        logits = torch.matmul(last, k[:, :, :scored].float().unsqueeze(2).transpose(-1, -2)) * scale
-        logits = logits.masked_fill(~pad[:, None, None, None, :scored], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # [B, Hkv, G, W, L - W]
-    else:
-        probs = window_probs(q, k, pad, scale, window)  # [B, Hkv, G, W, L]
-    scores = probs.sum(dim=(2, 3))  # [B, Hkv, scored]
-    if shared:
-        scores = scores.sum(dim=1, keepdim=True).expand_as(scores)
-    if scored:
-        scores = F.avg_pool1d(scores.flatten(0, 1).unsqueeze(1), kernel, stride=1, padding=kernel // 2)
-    scores = scores.reshape(batch, kv_heads, scored)
-    scores = torch.cat([scores, scores.new_full((batch, kv_heads, length - scored), float("inf"))], dim=-1)
-    scores[..., -window:] = float("inf")
-    return scores.masked_fill(~pad[:, None, :], float("-inf"))
 
 
 def shrink_interval(name: str, budget: int, compress_every: int, least_kept: int) -> int:
@@ -229,8 +183,9 @@ class KVPolicy:
             raise UserError(f"budget must be a positive integer number of KV slots, got {self.budget!r}")
         if self.budget_scope not in BUDGET_SCOPES:
             raise UserError(f"{self.name}: budget_scope must be one of {BUDGET_SCOPES}, got {self.budget_scope!r}")
-        if self.schedule not in SCHEDULES or not self.observes <= OBSERVABLE:
-            raise TypeError(f"{type(self).__name__}: schedule {self.schedule!r} or observes {set(self.observes)}")
+        if self.schedule not in SCHEDULES or not self.observes <= OBSERVABLE:  # the class's own declarations
+            raise ValueError(f"{type(self).__name__}: schedule must be one of {SCHEDULES} and observes a subset of "
+                             f"{sorted(OBSERVABLE)}, got {self.schedule!r}, {sorted(self.observes)}")
         self.spec: CacheSpec | None = None
 
     # ---- what a method declares --------------------------------------------------------------
