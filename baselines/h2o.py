@@ -41,10 +41,13 @@ D head dim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy
+from longflow.policy import CacheSpec, KVPolicy, Observation
+from longflow.slots import SlotState
 
 VARIANTS = ("paper", "lf_repo")
 
@@ -89,36 +92,32 @@ def prompt_attention_sums(
     return sums
 
 
+@dataclass(eq=False)
 class H2OPolicy(KVPolicy):
     """H2O (see the module docstring). Fields: `variant`, `heavy_ratio`, `compress_every`."""
 
+    variant: str = "paper"
+    heavy_ratio: float = 0.5
+    compress_every: int = 1
+
     name = "h2o"
 
-    def __init__(
-        self,
-        budget: int | None = None,
-        variant: str = "paper",
-        heavy_ratio: float = 0.5,
-        compress_every: int = 1,
-    ):
-        super().__init__(budget)
-        if variant not in VARIANTS:
-            raise UserError(f"{self.name}: variant must be one of {VARIANTS}, got {variant!r}")
-        if not 0 <= heavy_ratio < 1:
-            raise UserError(f"{self.name}: heavy_ratio must be in [0, 1), got {heavy_ratio}")
-        if compress_every != 1:
+    def __post_init__(self):
+        super().__post_init__()
+        if self.variant not in VARIANTS:
+            raise UserError(f"{self.name}: variant must be one of {VARIANTS}, got {self.variant!r}")
+        if not 0 <= self.heavy_ratio < 1:
+            raise UserError(f"{self.name}: heavy_ratio must be in [0, 1), got {self.heavy_ratio}")
+        if self.compress_every != 1:
             raise UserError(f"{self.name}: only compress_every=1 (one eviction per step) is implemented")
-        self.variant = variant
-        self.heavy_ratio = heavy_ratio
-        self.compress_every = compress_every
         # paper: per-KV-head selection on accumulated attention; lf_repo: shared, current step only.
-        self.shared_selection = variant == "lf_repo"
-        self.accumulate = variant == "paper"
-        if budget is not None:
-            if budget <= self.sinks:
-                raise UserError(f"{self.name}: budget ({budget}) must exceed the {self.sinks} sink tokens")
-            self.heavy = int((budget - self.sinks) * heavy_ratio)
-            self.recent = budget - self.sinks - self.heavy  # >= 1: the current token
+        self.shared_selection = self.variant == "lf_repo"
+        self.accumulate = self.variant == "paper"
+        if self.budget is not None:
+            if self.budget <= self.sinks:
+                raise UserError(f"{self.name}: budget ({self.budget}) must exceed the {self.sinks} sink tokens")
+            self.heavy = int((self.budget - self.sinks) * self.heavy_ratio)
+            self.recent = self.budget - self.sinks - self.heavy  # >= 1: the current token
 
     @property
     def sinks(self) -> int:
@@ -127,7 +126,7 @@ class H2OPolicy(KVPolicy):
 
     # ---- the score: the one thing VATP changes -------------------------------------------------
 
-    def score(self, attention: torch.Tensor, norms: torch.Tensor | None) -> torch.Tensor:
+    def weigh(self, attention: torch.Tensor, norms: torch.Tensor | None) -> torch.Tensor:
         """Scores `[B, Hkv, N]` from received attention `[B, Hkv, N]` (summed over the group's query
         heads) and value norms (`value_norms`); identical across heads for a shared selection."""
         if self.shared_selection:
@@ -138,27 +137,38 @@ class H2OPolicy(KVPolicy):
         """Per-token value norms `[B, Hkv, N]` from values `[B, Hkv, N, D]` (H2O needs none)."""
         return None
 
-    def held_value_norms(self, layer: int) -> torch.Tensor | None:
+    def held_value_norms(self, obs: Observation) -> torch.Tensor | None:
         """The value norms of the held slots `[B, Hkv, S]`, at decode (H2O needs none)."""
         return None
 
-    def protected(self, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
-        """Slots never evicted: the newest `recent - 1` positions (the token written next completes
-        the recent window) and the sinks. positions `[B, Hkv, N]`, newest `[B]` -> `[B, Hkv, N]` bool.
-        Free and padding slots may come out True; callers mask them afterwards."""
-        recent = positions >= (newest - (self.recent - 2))[:, None, None]
-        return recent | (positions < self.sinks)
+    def slot_state(self) -> dict[str, SlotState]:
+        # Accumulated attention per slot (paper), moved with the slot: a written slot starts at 0.
+        return {"received": SlotState()} if self.accumulate else {}
 
-    # ---- hooks -------------------------------------------------------------------------------
+    def score(self, obs: Observation) -> torch.Tensor:
+        """The step's attention `[B, Hkv, S]` (summed over each group's query heads), accumulated into
+        the slots' received attention (paper), weighed by `weigh`."""
+        attention = obs.probs.sum(dim=2)  # [B, Hkv, S]
+        if self.accumulate:
+            received = obs.state("received")
+            received += attention
+            attention = received
+        return self.weigh(attention, self.held_value_norms(obs))
+
+    def protected(self, obs: Observation) -> torch.Tensor:
+        """The newest `recent - 1` positions (the token written next completes the recent window) and
+        the sinks; free slots may come out True (they stay free)."""
+        return self.protected_positions(obs.positions, obs.newest)
+
+    def protected_positions(self, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+        """positions `[B, Hkv, N]`, newest `[B]` -> `[B, Hkv, N]` bool."""
+        recent = positions >= (newest - (self.recent - 2))[:, None, None]
+        return recent | (positions < self.sinks) if self.sinks else recent
+
+    # ---- prefill -------------------------------------------------------------------------------
 
     def allocate(self, spec: CacheSpec) -> None:
         super().allocate(spec)
-        slots = self.capacity(spec)
-        # Accumulated attention per slot, moved with the slot: reset when a slot is overwritten.
-        self.received = [
-            torch.zeros(spec.batch, spec.kv_heads, slots, dtype=torch.float32, device=spec.device)
-            for _ in range(spec.layers)
-        ] if self.accumulate else []
         self.prompt_sums: torch.Tensor | None = None
 
     def attend(
@@ -174,9 +184,9 @@ class H2OPolicy(KVPolicy):
     def prefill_scores(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        scores = self.score(self.prompt_sums, self.value_norms(v))  # [B, Hkv, L]
+        scores = self.weigh(self.prompt_sums, self.value_norms(v))  # [B, Hkv, L]
         newest = self.pad.sum(dim=-1) - 1  # position of each row's last prompt token
-        protected = self.protected(self.prompt_positions[:, None, :], newest)
+        protected = self.protected_positions(self.prompt_positions[:, None, :], newest)
         scores = scores.masked_fill(protected, float("inf"))
         return scores.masked_fill(~self.pad[:, None, :], float("-inf"))
 
@@ -185,19 +195,5 @@ class H2OPolicy(KVPolicy):
             held = kept.shape[-1]
             slots = self.layers[layer]
             received = self.prompt_sums.gather(2, kept) * slots.valid[..., :held]
-            self.received[layer][..., :held].copy_(received)
+            slots.state["received"][..., :held].copy_(received)
         self.prompt_sums = None  # per layer: the next layer's `attend` computes its own
-
-    def choose_next_slot(self, layer: int, q: torch.Tensor, probs: torch.Tensor) -> None:
-        """probs `[B, Hkv, G, S]`; `next_slot[layer]` still holds the slot written this step."""
-        slots = self.layers[layer]
-        attention = probs.sum(dim=2)  # [B, Hkv, S]
-        if self.accumulate:
-            received = self.received[layer]
-            received.scatter_(2, self.next_slot[layer][..., None], 0.0)  # a new token starts at 0
-            received += attention
-            attention = received
-        scores = self.score(attention, self.held_value_norms(layer))
-        scores = scores.masked_fill(self.protected(slots.positions, self.positions), float("inf"))
-        scores = scores.masked_fill(~slots.valid, float("-inf"))  # free slots are filled first
-        self.next_slot[layer].copy_(scores.argmin(dim=-1))

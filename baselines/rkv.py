@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from longflow.attention import prefill_attention
-from longflow.policy import CacheSpec, KVPolicy
+from longflow.errors import UserError
+from longflow.policy import CacheSpec, KVPolicy, Observation, shrink_interval
+from longflow.selection import choose_keep
 
 VARIANTS = ("paper", "lf_repo")
 BUDGET_MODES = ("cap", "target")
@@ -148,6 +150,7 @@ def lf_repo_scores(
     return scores.masked_fill(~held, float("-inf"))
 
 
+@dataclass(eq=False)
 class RKVPolicy(KVPolicy):
     """R-KV (Cai et al. 2025) over static slot buffers.
 
@@ -182,12 +185,13 @@ class RKVPolicy(KVPolicy):
     reproduces their runs.
 
     How it maps onto the slot buffers: a decode step writes the new token into the first free
-    slot, records its query into a per-layer ring of the last W queries (`[B, Hq, W, D]`, slot =
-    position mod W) and attends. Held slots are always the low ones. Prompt lengths are known on
+    slot, records its query into the query history (`longflow.history`, a ring of the last W
+    queries per layer) and attends. Held slots are always the low ones. Prompt lengths are known on
     the host, so the host knows when each row is full without reading the device:
-      - paper: `after_step` compresses the full rows (all of them when they are in step): it
-        scores the row's slots, keeps the top ones, and compacts them into the low slots in
-        position order, so the last W slots are the window;
+      - paper: the base class's interval schedule: `after_step` compresses the full rows (all of
+        them when they are in step): it scores the row's slots, keeps the top ones by the
+        selection rule, and compacts them into the low slots in position order, so the last W
+        slots are the window;
       - lf_repo: `before_step` names the rows that cut in the coming step, which the engine then
         runs eagerly (every lf_protect + 1 steps a row); every other step stays static and
         CUDA-graph safe.
@@ -210,139 +214,130 @@ class RKVPolicy(KVPolicy):
     Deviations from the authors' runs, `lf_repo`: scores in float32 (theirs cast the importance
     to the model dtype); each row is cut when its own cache is full and only real tokens are held,
     where their batched cache cuts all rows together and counts, scores and keeps left padding.
+
+    As the scorer of another method (AMS), `score` is the `paper` score of the slots held, with
+    the W newest queries; it needs no budget.
     """
 
+    variant: str = "paper"
+    window: int = 8
+    kernel: int = 7
+    lam: float = 0.1
+    threshold: float = 0.5
+    compress_every: int = 128
+    budget_mode: str = "cap"
+    lf_queries: int = 9
+    lf_kernel: int = 5
+    lf_protect: int = 128
+    lf_margin: int = 4
+
     name = "rkv"
+    schedule = "interval"
 
-    def __init__(
-        self,
-        budget: int | None = None,
-        variant: str = "paper",
-        window: int = 8,
-        kernel: int = 7,
-        lam: float = 0.1,
-        threshold: float = 0.5,
-        compress_every: int = 128,
-        budget_mode: str = "cap",
-        lf_queries: int = 9,
-        lf_kernel: int = 5,
-        lf_protect: int = 128,
-        lf_margin: int = 4,
-    ):
-        super().__init__(budget=budget)
-        if budget is None:
-            raise ValueError("rkv needs a budget")
-        if variant not in VARIANTS:
-            raise ValueError(f"rkv variant must be one of {VARIANTS}, got {variant!r}")
-        if budget_mode not in BUDGET_MODES:
-            raise ValueError(f"rkv budget_mode must be one of {BUDGET_MODES}, got {budget_mode!r}")
-        if not 0.0 <= lam <= 1.0:
-            raise ValueError(f"rkv lam must be in [0, 1], got {lam}")
-        if compress_every < 1:
-            raise ValueError(f"rkv compress_every must be >= 1, got {compress_every}")
-        self.variant = variant
-        self.budget_mode = budget_mode
-        self.lam = lam
-        self.threshold = threshold
+    def __post_init__(self):
+        super().__post_init__()
+        if self.variant not in VARIANTS:
+            raise UserError(f"rkv: variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.budget_mode not in BUDGET_MODES:
+            raise UserError(f"rkv: budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}")
+        if not 0.0 <= self.lam <= 1.0:
+            raise UserError(f"rkv: lam must be in [0, 1], got {self.lam}")
+        if self.compress_every < 1:
+            raise UserError(f"rkv: compress_every must be >= 1, got {self.compress_every}")
         self.cutting: list[int] = []  # lf_repo: rows cut inside the coming step
-        if variant == "paper":
-            self._paper_sizes(budget, window, kernel, compress_every, budget_mode)
+        if self.variant == "paper":
+            # W window queries, pool kernel, P protected newest tokens, in force
+            self.queries_held, self.pool_kernel, self.protect = self.window, self.kernel, self.window
+            self.shared_selection = False
+            self._check_window()
+            if self.budget is not None:
+                self._paper_sizes()
         else:
-            self._lf_repo_sizes(budget, lf_queries, lf_kernel, lf_protect, lf_margin)
+            if self.lf_margin < 1:
+                raise UserError(f"rkv: lf_margin must be >= 1 (the slot a cutting step stores into), "
+                                f"got {self.lf_margin}")
+            if self.lf_protect < 1:
+                raise UserError(f"rkv: lf_protect must be >= 1, got {self.lf_protect}")
+            self.queries_held, self.pool_kernel, self.protect = self.lf_queries, self.lf_kernel, self.lf_protect
+            self.shared_selection = True
+            self._check_window()
+            if self.budget is not None:
+                self._lf_repo_sizes()
 
-    def _paper_sizes(self, budget: int, window: int, kernel: int, compress_every: int, budget_mode: str) -> None:
-        if budget_mode == "cap" and budget - compress_every <= window:
-            # A budget below the interval (the demo's, a small sweep point) could never be cut; the
-            # interval shrinks to a quarter of the budget.
-            shrunk = max(2, budget // 4)
-            warnings.warn(f"rkv: budget {budget} leaves no room for compress_every={compress_every}; "
-                          f"using {shrunk}", stacklevel=3)
-            compress_every = shrunk
-        self.compress_every = compress_every
-        self.queries_held = window  # W
-        self.kernel = kernel
-        self.protect = window  # P
-        self.shared_selection = False
-        self._check_window()
-        if budget_mode == "cap":
-            self.slots, self.keep_after = budget, budget - compress_every
+    def _paper_sizes(self) -> None:
+        budget = self.budget
+        # The interval in force: a budget below compress_every (the demo's, a small sweep point)
+        # could never be cut; the interval shrinks to a quarter of the budget.
+        interval = self.compress_every
+        if self.budget_mode == "cap":
+            interval = shrink_interval(self.name, budget, interval, self.window + 1)
+        self.interval = interval
+        if self.budget_mode == "cap":
+            self.slots_held, self.keep_after = budget, budget - interval
         else:
-            self.slots, self.keep_after = budget + compress_every - 1, budget
-        if self.keep_after >= self.slots:
-            raise ValueError(f"rkv: a compression must free slots (budget_mode={budget_mode} needs "
-                             f"compress_every >= 2, got {compress_every})")
+            self.slots_held, self.keep_after = budget + interval - 1, budget
+        if self.keep_after >= self.slots_held:
+            raise UserError(f"rkv: a compression must free slots (budget_mode={self.budget_mode} needs "
+                            f"compress_every >= 2, got {interval})")
         if self.keep_after <= self.protect:
-            raise ValueError(
-                f"rkv budget {budget} too small: a compression keeps {self.keep_after} tokens, which must "
-                f"exceed the {self.protect} protected ones (budget_mode={budget_mode}, "
-                f"compress_every={compress_every}, variant=paper)"
+            raise UserError(
+                f"rkv: budget {budget} too small: a compression keeps {self.keep_after} tokens, which must "
+                f"exceed the {self.protect} protected ones (budget_mode={self.budget_mode}, "
+                f"compress_every={interval}, variant=paper)"
             )
 
-    def _lf_repo_sizes(self, budget: int, queries: int, kernel: int, protect: int, margin: int) -> None:
-        if margin < 1:
-            raise ValueError(f"rkv lf_margin must be >= 1 (the slot a cutting step stores into), got {margin}")
-        if protect < 1:
-            raise ValueError(f"rkv lf_protect must be >= 1, got {protect}")
-        if budget - margin - 2 * protect < 1:
+    def _lf_repo_sizes(self) -> None:
+        budget, margin = self.budget, self.lf_margin
+        if budget - margin - 2 * self.protect < 1:
             # Their code needs budget > 2 * 128 + 4; a smaller budget (the demo's, a small sweep
             # point) keeps the schedule with a protected tail of a quarter of the budget.
             shrunk = max(1, (budget - margin) // 4)
-            warnings.warn(f"rkv: budget {budget} leaves no room for lf_protect={protect}; using {shrunk}",
-                          stacklevel=3)
-            protect = shrunk
-        self.queries_held = queries  # W
-        self.kernel = kernel
-        self.protect = protect  # P
-        self.shared_selection = True
-        self._check_window()
+            warnings.warn(f"rkv: budget {budget} leaves no room for lf_protect={self.protect}; using {shrunk}",
+                          stacklevel=4)
+            self.protect = shrunk
         self.hold_limit = budget - margin  # most tokens a query attends to
-        self.slots = self.hold_limit + 1
-        self.keep_after = self.hold_limit - protect  # tokens a cut keeps
-        self.keep_scored = self.hold_limit - 2 * protect  # of which chosen by score
+        self.slots_held = self.hold_limit + 1
+        self.keep_after = self.hold_limit - self.protect  # tokens a cut keeps
+        self.keep_scored = self.hold_limit - 2 * self.protect  # of which chosen by score
         if self.keep_scored < 1:
-            raise ValueError(f"rkv budget {budget} too small for lf_repo: a cut keeps {self.keep_scored} "
-                             f"scored tokens (budget - lf_margin - 2 * lf_protect)")
+            raise UserError(f"rkv: budget {budget} too small for lf_repo: a cut keeps {self.keep_scored} "
+                            f"scored tokens (budget - lf_margin - 2 * lf_protect)")
 
     def _check_window(self) -> None:
-        if self.queries_held < 1 or self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(
-                f"rkv needs a window >= 1 and an odd pool kernel, got {self.queries_held}, {self.kernel}"
+        if self.queries_held < 1 or self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise UserError(
+                f"rkv needs a window >= 1 and an odd pool kernel, got {self.queries_held}, {self.pool_kernel}"
             )
 
     # ---- sizes -------------------------------------------------------------------------------
 
     def capacity(self, spec: CacheSpec) -> int:
-        return self.slots
+        super().capacity(spec)  # the budget is set
+        return self.slots_held
+
+    def query_window(self) -> int:
+        return self.queries_held
 
     def prompt_cut(self, length: int) -> bool:
         """Whether a row's prompt of `length` real tokens is compressed at prefill."""
         if self.variant == "lf_repo":
             return length > self.hold_limit
-        limit = self.slots - 1 if self.budget_mode == "cap" else self.keep_after
+        limit = self.slots_held - 1 if self.budget_mode == "cap" else self.keep_after
         return length > limit
+
+    def held_after_prompt(self, length: int) -> int:
+        return self.keep_after if self.prompt_cut(length) else length
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def allocate(self, spec: CacheSpec) -> None:
         super().allocate(spec)
-        # Ring of the last W queries per layer, slot = position mod W.
-        self.rings = [
-            torch.zeros(spec.batch, spec.q_heads, self.queries_held, spec.head_dim, dtype=spec.dtype,
-                        device=spec.device)
-            for _ in range(spec.layers)
-        ]
-        self.scale = spec.head_dim ** -0.5
         self.cutting = []
 
     def begin_prefill(self, pad: torch.Tensor, positions: torch.Tensor) -> None:
         super().begin_prefill(pad, positions)
         self.cut_rows = torch.tensor([self.prompt_cut(n) for n in self.prompt_lengths], device=pad.device)
         self.prompt_scores: torch.Tensor | None = None
-
-    def begin_decode(self, positions: torch.Tensor) -> None:
-        super().begin_decode(positions)
-        # Host count of the slots each row holds (the same in every layer and head).
-        self.held = [self.keep_after if self.prompt_cut(n) else n for n in self.prompt_lengths]
 
     def before_step(self, step: int) -> bool:
         """lf_repo: the rows whose token of this step would exceed budget - lf_margin are cut in it."""
@@ -351,42 +346,29 @@ class RKVPolicy(KVPolicy):
         return bool(self.cutting)
 
     def after_step(self, step: int) -> None:
-        """Every row stored one token. paper: cut the rows whose slots are now all held."""
-        if self.variant == "lf_repo":
-            cut = set(self.cutting)
-            self.held = [self.keep_after if row in cut else n + 1 for row, n in enumerate(self.held)]
-            self.cutting = []
-            return
-        self.held = [n + 1 for n in self.held]
-        full = [row for row, n in enumerate(self.held) if n >= self.slots]
-        if full:
-            self.compress(full)
-            for row in full:
-                self.held[row] = self.keep_after
+        """Every row stored one token. paper: the base class cuts the rows whose slots are now all held."""
+        if self.variant == "paper":
+            return super().after_step(step)
+        cut = set(self.cutting)
+        self.held = [self.keep_after if row in cut else n + 1 for row, n in enumerate(self.held)]
+        self.cutting = []
+
+    # ---- the score -----------------------------------------------------------------------------
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        """The `paper` score `[n, Hkv, S]` of the slots held (in position order), with the W newest
+        queries: +inf on the W newest slots, -inf on the slots not held."""
+        queries, _, query_valid = obs.queries(self.queries_held)
+        return self._chunked_scores(queries, query_valid, obs.keys, obs.valid, obs.scale)
 
     # ---- prefill -----------------------------------------------------------------------------
 
-    def attend(self, layer, q, k, v, scale):
-        if self.prefilling:
-            self.scale = scale
-            self._record_prompt_queries(layer, q)
-            if self.variant == "lf_repo":
-                out = prefill_attention(q, k, v, self.pad, scale)
-                self._store_prompt_lf_repo(layer, q, k, v)
-                return out.transpose(1, 2)
-            if any(self.prompt_cut(n) for n in self.prompt_lengths):
-                self.prompt_scores = self._prompt_scores(q, k, scale)
-        return super().attend(layer, q, k, v, scale)
-
-    def _record_prompt_queries(self, layer: int, q: torch.Tensor) -> None:
-        """Ring slot r gets the row's newest prompt query t with t mod W == r (zero if none)."""
-        length, ring = q.shape[2], self.queries_held
-        lengths = self.pad.sum(dim=-1, keepdim=True)  # [B, 1]
-        slot = torch.arange(ring, device=q.device)
-        newest = lengths - 1 - torch.remainder(lengths - 1 - slot, ring)  # position, [B, W]
-        source = (length - lengths + newest).clamp(min=0)  # index in the padded prompt
-        queries = q.gather(2, source[:, None, :, None].expand(-1, q.shape[1], -1, q.shape[3]))
-        self.rings[layer].copy_(queries.masked_fill((newest < 0)[:, None, :, None], 0.0))
+    def store_prompt(self, layer, q, k, v, scale) -> None:
+        if self.variant == "lf_repo":
+            return self._store_prompt_lf_repo(layer, q, k, v)
+        if any(self.prompt_cut(n) for n in self.prompt_lengths):
+            self.prompt_scores = self._prompt_scores(q, k, scale)
+        super().store_prompt(layer, q, k, v, scale)
 
     def _prompt_scores(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
         """`[B, Hkv, L]`: R-KV scores of the prompt with its last W queries as the window. In the
@@ -395,7 +377,7 @@ class RKVPolicy(KVPolicy):
         window = min(self.queries_held, length)
         held = self.pad[:, None, :].expand(-1, k.shape[1], -1)
         scores = self._chunked_scores(q[:, :, length - window:], self.pad[:, length - window:], k, held, scale)
-        top = scores.topk(min(self.keep_after, length), dim=-1).indices
+        top = choose_keep(scores, held, min(self.keep_after, length))
         best = torch.zeros_like(held).scatter_(-1, top, True)
         return scores.masked_fill(self.cut_rows[:, None, None] & ~best, float("-inf"))
 
@@ -406,14 +388,12 @@ class RKVPolicy(KVPolicy):
         return self.prompt_scores
 
     def on_prompt_stored(self, layer: int, kept: torch.Tensor) -> None:
-        """Frees the tokens that a cut row does not keep, then compacts: left padding leaves free
-        slots below the prompt, and the free slots must be the high ones."""
-        keep = self.layers[layer].valid.clone()
+        """Frees the tokens that a cut row does not keep; the base class then compacts the held
+        slots into the low ones (left padding leaves free slots below the prompt)."""
         if self.prompt_scores is not None:
             survives = self.prompt_scores.gather(-1, kept) > float("-inf")  # [B, Hkv, n]
-            keep[..., :kept.shape[-1]] &= survives
+            self.layers[layer].valid[..., :kept.shape[-1]] &= survives
             self.prompt_scores = None
-        self._compact(layer, slice(None), keep)
 
     def _chunked_scores(self, queries, query_valid, keys, held, scale) -> torch.Tensor:
         """`rkv_scores` over the leading dimension in chunks of at most `SCORE_BYTES` of S x S work."""
@@ -422,7 +402,7 @@ class RKVPolicy(KVPolicy):
         return torch.cat([
             rkv_scores(
                 queries[i:i + step], query_valid[i:i + step], keys[i:i + step], held[i:i + step], scale,
-                protect=min(self.protect, slots), kernel=self.kernel, lam=self.lam,
+                protect=min(self.protect, slots), kernel=self.pool_kernel, lam=self.lam,
                 threshold=self.threshold,
             )
             for i in range(0, keys.shape[0], step)
@@ -431,22 +411,11 @@ class RKVPolicy(KVPolicy):
     # ---- decode ------------------------------------------------------------------------------
 
     def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """Record the query, attend over the held slots, point at the first free slot: static, except
-        in the lf_repo steps named by `before_step`, which cut first."""
-        batch, q_heads, head_dim = q.shape
-        ring = self.rings[layer]
-        slot = torch.remainder(self.positions, self.queries_held)[:, None, None, None]
-        ring.scatter_(2, slot.expand(batch, q_heads, 1, head_dim), q.unsqueeze(2).to(ring.dtype))
-        if self.cutting:  # lf_repo, an eager step: cut before attention, with this query
+        """Attend over the held slots, point at the first free slot: static, except in the lf_repo
+        steps named by `before_step`, which cut first (with this step's query, already recorded)."""
+        if self.cutting:  # lf_repo, an eager step: cut before attention
             self._cut_in_step(layer)
-        slots = self.layers[layer]
-        group = q_heads // slots.keys.shape[1]
-        mask = slots.valid.repeat_interleave(group, dim=1).unsqueeze(2)  # [B, Hq, 1, S]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), slots.keys, slots.values, attn_mask=mask, scale=scale, enable_gqa=True
-        )
-        self.next_slot[layer].copy_(self.first_free_slot(layer))
-        return out.squeeze(2)
+        return super().decode(layer, q, scale)
 
     @torch.no_grad()
     def compress(self, rows: list[int]) -> None:
@@ -459,46 +428,20 @@ class RKVPolicy(KVPolicy):
         self.record_peak()  # the rows are full: their peak, before the cut frees slots
         spec, count = self.spec, len(rows)
         index = torch.tensor(rows, dtype=torch.long, device=spec.device)
-        per_item = spec.kv_heads * self.slots ** 2 * 16  # bytes of S x S temporaries per (layer, row)
+        per_item = spec.kv_heads * self.slots_held ** 2 * 16  # bytes of S x S temporaries per (layer, row)
         group = max(1, SCORE_BYTES // (per_item * count))
         for start in range(0, spec.layers, group):
             layers = range(start, min(spec.layers, start + group))
             keys = torch.cat([self.layers[i].keys.index_select(0, index) for i in layers])  # [n*g, Hkv, S, D]
             held = torch.cat([self.layers[i].valid.index_select(0, index) for i in layers])
-            queries = torch.cat([self.rings[i].index_select(0, index) for i in layers])
+            # The ring in its own order: the importance averages over the window's queries.
+            queries = torch.cat([self.history.ring(i, index) for i in layers])
             every = torch.ones(len(keys), self.queries_held, dtype=torch.bool, device=spec.device)
             scores = self._chunked_scores(queries, every, keys, held, self.scale)
-            chosen = scores.topk(self.keep_after, dim=-1).indices  # [n*g, Hkv, keep]
+            chosen = choose_keep(scores, held, self.keep_after)  # [n*g, Hkv, keep]
             keep = torch.zeros_like(held).scatter_(-1, chosen, True) & held
             for j, layer in enumerate(layers):
-                self._compact(layer, index, keep[j * count:(j + 1) * count])
-
-    def _compact(self, layer: int, rows: torch.Tensor | slice, keep: torch.Tensor) -> None:
-        """Move the kept slots of `rows` to the low slots in position order; free the rest.
-
-        keep: `[n, Hkv, S]` bool for the selected rows. One gather within the static buffers.
-        """
-        slots = self.layers[layer]
-        select = (lambda t: t[rows]) if isinstance(rows, slice) else (lambda t: t.index_select(0, rows))
-        positions = select(slots.positions)
-        big = torch.iinfo(positions.dtype).max
-        order = torch.where(keep, positions, big).argsort(dim=-1, stable=True)  # [n, Hkv, S]
-        kept = keep.gather(-1, order)
-        positions = positions.gather(-1, order).masked_fill(~kept, -1)
-        gather = order[..., None].expand(-1, -1, -1, slots.keys.shape[-1])
-        new = {
-            "keys": select(slots.keys).gather(2, gather),
-            "values": select(slots.values).gather(2, gather),
-            "valid": kept,
-            "positions": positions,
-        }
-        for name, tensor in new.items():
-            target = getattr(slots, name)
-            if isinstance(rows, slice):
-                target[rows] = tensor
-            else:
-                target.index_copy_(0, rows, tensor)
-        self.next_slot[layer].copy_(self.first_free_slot(layer))
+                self.slots.compact(layer, index, keep[j * count:(j + 1) * count])
 
     # ---- lf_repo -----------------------------------------------------------------------------
 
@@ -508,7 +451,7 @@ class RKVPolicy(KVPolicy):
         step = max(1, SCORE_BYTES // (kv_heads * count ** 2 * 16))
         return torch.cat([
             lf_repo_scores(queries[i:i + step], query_valid[i:i + step], keys[i:i + step], held[i:i + step],
-                           kernel=self.kernel, lam=self.lam)
+                           kernel=self.pool_kernel, lam=self.lam)
             for i in range(0, keys.shape[0], step)
         ])
 
@@ -519,13 +462,11 @@ class RKVPolicy(KVPolicy):
 
         q: `[B, Hq, L, D]`; k, v: `[B, Hkv, L, D]` over the left-padded prompt.
         """
-        slots, length = self.layers[layer], k.shape[2]
-        device = k.device
-        counts = torch.tensor([self.keep_after if self.prompt_cut(n) else n for n in self.prompt_lengths],
-                              device=device)
+        length, device = k.shape[2], k.device
+        counts = torch.tensor([self.held_after_prompt(n) for n in self.prompt_lengths], device=device)
         held = int(counts.max())
         column = torch.arange(held, device=device)
-        order = (length - counts[:, None] + column).clamp(max=length - 1)  # [B, held]: the whole prompt
+        order = length - counts[:, None] + column  # [B, held]: the whole prompt; `length` = no token
         cut = [row for row, n in enumerate(self.prompt_lengths) if self.prompt_cut(n)]
         if cut:
             rows = torch.tensor(cut, device=device)
@@ -533,53 +474,30 @@ class RKVPolicy(KVPolicy):
             pad = self.pad.index_select(0, rows)
             scores = self._lf_repo_chunked(q.index_select(0, rows)[:, :, length - window:], pad[:, length - window:],
                                            k.index_select(0, rows)[:, :, :scored], pad[:, :scored])
-            chosen = scores.topk(self.keep_scored, dim=-1).indices  # by score, highest first
+            chosen = choose_keep(scores, pad[:, :scored], self.keep_scored)  # by score, highest first
             newest = torch.arange(scored, length, device=device).expand(len(cut), -1)
             order[rows, :self.keep_after] = torch.cat([chosen, newest], dim=-1)
-        kept = column < counts[:, None]  # [B, held]
-        gather = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        slots.keys[:, :, :held] = k.gather(2, gather).masked_fill(~kept[:, None, :, None], 0.0)
-        slots.values[:, :, :held] = v.gather(2, gather).masked_fill(~kept[:, None, :, None], 0.0)
-        slots.valid[:, :, :held] = kept[:, None, :]
-        slots.positions[:, :, :held] = self.prompt_positions.gather(1, order).masked_fill(~kept, -1)[:, None, :]
-        self.next_slot[layer].copy_(self.first_free_slot(layer))
+        order = order.masked_fill(column >= counts[:, None], length)
+        kept = order[:, None, :].expand(-1, k.shape[1], -1)
+        self.slots.store_prompt(layer, k, v, kept, self.pad, self.prompt_positions)
 
     def _cut_in_step(self, layer: int) -> None:
         """Cuts the rows of `self.cutting` (every slot held, the step's token stored last) to
         `keep_after` tokens: the top `keep_scored` of the slots before the `protect` newest, scored
-        with the ring's W queries (the step's own the newest), in score order, then the newest."""
-        slots, window = self.layers[layer], self.queries_held
+        with the W newest queries (the step's own the newest), in score order, then the newest."""
+        slots = self.layers[layer]
         device = slots.keys.device
         rows = torch.tensor(self.cutting, device=device)
         self.record_peak([layer])  # the rows are full: their peak, before the cut frees slots
-        # The ring in time order: slot (position + 1 + i) mod W holds position - W + 1 + i.
-        offsets = torch.arange(window, device=device)
-        newest = self.positions.index_select(0, rows)[:, None]  # [R, 1]
-        ring = self.rings[layer].index_select(0, rows)
-        order_q = torch.remainder(newest + 1 + offsets, window)[:, None, :, None].expand(-1, ring.shape[1], -1,
-                                                                                            ring.shape[3])
-        queries = ring.gather(2, order_q)
-        query_valid = newest - window + 1 + offsets >= 0
-        scored = self.slots - self.protect
+        queries, _, query_valid = self.history.recent(layer, self.positions.index_select(0, rows), rows)
+        scored = self.slots_held - self.protect
         keys = slots.keys.index_select(0, rows)[:, :, :scored]
         every = torch.ones(len(self.cutting), scored, dtype=torch.bool, device=device)
-        chosen = self._lf_repo_chunked(queries, query_valid, keys, every).topk(self.keep_scored, dim=-1).indices
-        tail = torch.arange(scored, self.slots, device=device).expand(len(self.cutting), -1)
-        self._place(layer, rows, torch.cat([chosen, tail], dim=-1))
-
-    def _place(self, layer: int, rows: torch.Tensor, order: torch.Tensor) -> None:
-        """Rows `rows` keep the slots `order` (`[n, k]`), moved to slots 0..k-1 in that order; the
-        rest are freed. One gather within the static buffers."""
-        slots = self.layers[layer]
-        count = order.shape[-1]
-        kept = torch.arange(slots.slots, device=order.device) < count  # [S]
-        index = torch.cat([order, order[:, :1].expand(-1, slots.slots - count)], dim=-1)  # [n, S]
-        gather = index[:, None, :, None].expand(-1, slots.keys.shape[1], -1, slots.keys.shape[3])
-        for name in ("keys", "values"):
-            buffer = getattr(slots, name)
-            moved = buffer.index_select(0, rows).gather(2, gather).masked_fill(~kept[:, None], 0.0)
-            buffer.index_copy_(0, rows, moved)
-        heads = slots.keys.shape[1]
-        positions = slots.positions.index_select(0, rows).gather(2, index[:, None, :].expand(-1, heads, -1))
-        slots.positions.index_copy_(0, rows, positions.masked_fill(~kept, -1))
-        slots.valid.index_copy_(0, rows, kept.expand(len(rows), heads, -1).clone())
+        chosen = choose_keep(self._lf_repo_chunked(queries, query_valid, keys, every), every, self.keep_scored)
+        tail = torch.arange(scored, self.slots_held, device=device).expand(len(self.cutting), -1)
+        order = torch.cat([chosen, tail], dim=-1)  # [n, keep_after]: the slots kept, in their new order
+        heads, total = slots.keys.shape[1], slots.slots
+        rank = torch.full((len(self.cutting), total), total, dtype=torch.long, device=device)
+        rank.scatter_(-1, order, torch.arange(order.shape[-1], device=device).expand_as(order))
+        rank = rank[:, None, :].expand(-1, heads, -1)
+        self.slots.compact(layer, rows, rank < total, rank)

@@ -39,18 +39,15 @@ the table of an unpadded row, i.e. a row behaves as it does alone in their code.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy
+from longflow.policy import CacheSpec, KVPolicy, Observation
+from longflow.rotary import rotate_half
 
 VARIANTS = ("paper", "lf_repo")
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """RoPE's pairing of the two halves of the head dimension: (x1, x2) -> (-x2, x1)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def sink_rerotation(rotary, window: int, n_sink: int, dtype: torch.dtype,
@@ -71,37 +68,41 @@ def sink_rerotation(rotary, window: int, n_sink: int, dtype: torch.dtype,
     return back_cos.to(dtype), back_sin.to(dtype)
 
 
+@dataclass(eq=False)
 class StreamingPolicy(KVPolicy):
     """StreamingLLM (see the module docstring). Fields: `variant`, `n_sink` (paper), `lf_n_sink` (lf_repo).
 
-    `self.n_sink` is the number of sinks in force: `n_sink` or, for `lf_repo`, `lf_n_sink`.
+    `self.sinks` is the number of sinks in force: `n_sink` or, for `lf_repo`, `lf_n_sink`.
     """
+
+    variant: str = "paper"
+    n_sink: int = 4
+    lf_n_sink: int = 32
 
     name = "streaming"
     shared_selection = True  # positions are the same in every head
 
-    def __init__(self, budget: int | None = None, variant: str = "paper", n_sink: int = 4, lf_n_sink: int = 32):
-        super().__init__(budget)
-        if variant not in VARIANTS:
-            raise UserError(f"{self.name}: variant must be one of {VARIANTS}, got {variant!r}")
-        sinks = n_sink if variant == "paper" else lf_n_sink
-        field = "n_sink" if variant == "paper" else "lf_n_sink"
+    def __post_init__(self):
+        super().__post_init__()
+        if self.variant not in VARIANTS:
+            raise UserError(f"{self.name}: variant must be one of {VARIANTS}, got {self.variant!r}")
+        field = "n_sink" if self.variant == "paper" else "lf_n_sink"
+        sinks = getattr(self, field)
         if sinks < 0:
             raise UserError(f"{self.name}: {field} must be >= 0, got {sinks}")
         # lf_repo: SinkCache keeps the last window - sinks - 1 keys when it slides; with none, its
         # slice `[-window + sinks + 1:]` would keep the whole cache.
-        least = sinks + 1 if variant == "paper" else sinks + 2
-        if budget is not None and budget < least:
-            raise UserError(f"{self.name}: budget ({budget}) must be at least {least} with {field}={sinks}")
-        self.variant = variant
-        self.n_sink = sinks
+        least = sinks + 1 if self.variant == "paper" else sinks + 2
+        if self.budget is not None and self.budget < least:
+            raise UserError(f"{self.name}: budget ({self.budget}) must be at least {least} with {field}={sinks}")
+        self.sinks = sinks
 
     def allocate(self, spec: CacheSpec) -> None:
         super().allocate(spec)
         if self.variant == "lf_repo":
             if spec.rotary is None:
                 raise UserError(f"{self.name} lf_repo re-rotates cached keys: the model needs a rotary embedding")
-            self.rerotation = sink_rerotation(spec.rotary, self.budget, self.n_sink, spec.dtype, spec.device)
+            self.rerotation = sink_rerotation(spec.rotary, self.budget, self.sinks, spec.dtype, spec.device)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.variant == "lf_repo" and not self.prefilling:
@@ -119,9 +120,9 @@ class StreamingPolicy(KVPolicy):
         back_cos, back_sin = self.rerotation  # [R, D]
         newest = self.positions[:, None, None]  # [B, 1, 1]
         positions = slots.positions[:, :1]  # [B, 1, S], the same in every head
-        oldest_kept = newest - (self.budget - self.n_sink) + 1
+        oldest_kept = newest - (self.budget - self.sinks) + 1
         rank = positions - oldest_kept
-        moves = (slots.valid[:, :1] & (positions >= self.n_sink) & (rank >= 0)
+        moves = (slots.valid[:, :1] & (positions >= self.sinks) & (rank >= 0)
                  & (newest >= self.budget - 1))  # [B, 1, S]
         index = rank.clamp(0, back_cos.shape[0] - 1)
         keys = slots.keys
@@ -133,13 +134,14 @@ class StreamingPolicy(KVPolicy):
     ) -> torch.Tensor:
         """Newer is better, sinks always: the score of a prompt token is its position."""
         positions = self.prompt_positions[:, None, :].float()  # [B, 1, L]
-        scores = positions.masked_fill(positions < self.n_sink, float("inf"))
+        scores = positions.masked_fill(positions < self.sinks, float("inf"))
         scores = scores.masked_fill(~self.pad[:, None, :], float("-inf"))
         return scores.expand(-1, k.shape[1], -1)  # [B, Hkv, L]
 
-    def choose_next_slot(self, layer: int, q: torch.Tensor, probs: torch.Tensor | None) -> None:
-        """The oldest non-sink slot; free slots come first (a free slot's position is -1)."""
-        slots = self.layers[layer]
-        sink = slots.valid & (slots.positions < self.n_sink)
-        age = slots.positions.masked_fill(sink, torch.iinfo(torch.long).max)  # [B, Hkv, S]
-        self.next_slot[layer].copy_(age.argmin(dim=-1))
+    def score(self, obs: Observation) -> torch.Tensor:
+        """Newer is better: a slot's score is its position (the oldest non-sink slot goes next)."""
+        return obs.positions
+
+    def protected(self, obs: Observation) -> torch.Tensor:
+        """The sinks (free slots, position -1, come out True and stay free)."""
+        return obs.positions < self.sinks

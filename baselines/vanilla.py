@@ -2,10 +2,12 @@
 
 Slots are allocated for the whole padded prompt plus `max_new_tokens`, and token t of the output
 goes to slot `L + t`, so the cache holds tokens in position order like HF's `DynamicCache`.
-`budget` is accepted for a uniform interface and ignored.
+`budget` is accepted for a uniform interface and ignored; `variant` too (the full cache has none).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,11 +15,15 @@ from longflow.attention import decode_attention
 from longflow.policy import ALIGN, CacheSpec, KVPolicy, round_up
 
 
+@dataclass(eq=False)
 class VanillaPolicy(KVPolicy):
+    variant: str = "paper"
+
     name = "vanilla"
 
-    def __init__(self, budget: int | None = None, variant: str = "paper"):
-        super().__init__(budget=None)
+    def __post_init__(self):
+        self.budget = None
+        super().__post_init__()
 
     def capacity(self, spec: CacheSpec) -> int:
         # Rounded up so that the decode matmuls' rows stay 16-byte aligned (see `ALIGN`).

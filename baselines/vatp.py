@@ -19,47 +19,45 @@ inherited from `baselines.h2o.H2OPolicy`, whose docstring states those deviation
 authors' hh_size = recent_size = h is budget 2h + 1 here (docs/methods.md, "VATP"). Beyond them:
   - The value norms are taken of the values as cached (the model dtype), accumulated in float32,
     and computed once per token: when its value is written (prefill, or the decode step that writes
-    its slot), into a static `[B, Hkv, S]` buffer that moves with the slot like H2O's scores, so a
+    its slot), into a per-slot state of the cache that moves with the slot like H2O's scores, so a
     decode step does not read the whole value cache a second time.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from baselines.h2o import H2OPolicy
 from longflow.errors import UserError
-from longflow.policy import CacheSpec
+from longflow.policy import Observation
+from longflow.slots import SlotState
 
 
+@dataclass(eq=False)
 class VATPPolicy(H2OPolicy):
     """VATP (see the module docstring). Fields: `variant`, `heavy_ratio`, `compress_every`, `n_sink`."""
 
+    n_sink: int = 20
+
     name = "vatp"
 
-    def __init__(
-        self,
-        budget: int | None = None,
-        variant: str = "paper",
-        heavy_ratio: float = 0.5,
-        compress_every: int = 1,
-        n_sink: int = 20,
-    ):
-        if n_sink < 0:
-            raise UserError(f"{self.name}: n_sink must be >= 0, got {n_sink}")
-        self.n_sink = n_sink  # set first: H2O's constructor splits the budget after the sinks
-        super().__init__(budget, variant=variant, heavy_ratio=heavy_ratio, compress_every=compress_every)
+    def __post_init__(self):
+        if self.n_sink < 0:  # checked first: H2O's checks split the budget after the sinks
+            raise UserError(f"{self.name}: n_sink must be >= 0, got {self.n_sink}")
+        super().__post_init__()
 
     @property
     def sinks(self) -> int:
         return self.n_sink if self.variant == "paper" else 0
 
     def value_norms(self, values: torch.Tensor) -> torch.Tensor:
-        """values `[B, Hkv, N, D]` -> `[B, Hkv, N]` float32: ||v||_1 (paper) or ||v||_2 (lf_repo)."""
+        """values `[..., N, D]` -> `[..., N]` float32: ||v||_1 (paper) or ||v||_2 (lf_repo)."""
         order = 1 if self.variant == "paper" else 2
         return torch.linalg.vector_norm(values, ord=order, dim=-1, dtype=torch.float32)
 
-    def score(self, attention: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    def weigh(self, attention: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         """attention `[B, Hkv, N]` (summed over each group's query heads), norms `[B, Hkv, N]`."""
         if not self.shared_selection:
             return attention * norms  # per KV head
@@ -68,18 +66,8 @@ class VATPPolicy(H2OPolicy):
 
     # ---- the norm of each held value, kept per slot -------------------------------------------
 
-    def allocate(self, spec: CacheSpec) -> None:
-        super().allocate(spec)
-        shape = (spec.batch, spec.kv_heads, self.capacity(spec))
-        self.norms = [torch.zeros(shape, dtype=torch.float32, device=spec.device) for _ in range(spec.layers)]
+    def slot_state(self) -> dict[str, SlotState]:
+        return {**super().slot_state(), "norms": SlotState(on_write=self.value_norms)}
 
-    def on_prompt_stored(self, layer: int, kept: torch.Tensor) -> None:
-        super().on_prompt_stored(layer, kept)
-        self.norms[layer].copy_(self.value_norms(self.layers[layer].values))  # free slots: 0
-
-    def held_value_norms(self, layer: int) -> torch.Tensor:
-        """Refreshes the slot written this step (still `next_slot`), then returns `[B, Hkv, S]`."""
-        slots, index = self.layers[layer], self.next_slot[layer]  # index [B, Hkv]
-        written = slots.values.gather(2, index[..., None, None].expand(-1, -1, 1, slots.values.shape[-1]))
-        self.norms[layer].scatter_(2, index[..., None], self.value_norms(written))  # [B, Hkv, 1]
-        return self.norms[layer]
+    def held_value_norms(self, obs: Observation) -> torch.Tensor:
+        return obs.state("norms")

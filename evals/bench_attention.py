@@ -12,7 +12,7 @@ Methods, on the same random cache at Qwen3-8B shapes (32 query heads, 8 KV heads
     (`[B, Hkv, G, D]`), the usual GQA decode formulation. Ratios (`x_sdpa`) are to the faster SDPA.
   - `h2o`: `longflow.attention.decode_attention` plus what H2O adds per step: the probabilities
     summed over each KV head's group, added into a running `[B, Hkv, S]` float32 score, and the
-    argmin over valid slots.
+    next slot by the selection rule of every method (`longflow.selection.choose_next`).
   - `longflow_fused`: the Triton kernel (`longflow.kernels.longflow_attention`).
   - `longflow_reference`: its plain PyTorch reference.
 The policies see about 3% invalid slots (left padding). Timing: the calls of one method on several
@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from longflow.attention import decode_attention
 from longflow.kernels import reference
+from longflow.selection import choose_next
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B
 DTYPE = torch.bfloat16
@@ -145,7 +146,7 @@ def h2o_call(q, k, v, valid):
     def step():
         out, probs = decode_attention(q, k, v, valid3d, scale)  # probs [B, Hkv, G, S]
         received.add_(probs.sum(dim=2))
-        next_slot = received.masked_fill(~valid3d, float("-inf")).argmin(dim=-1)
+        next_slot = choose_next(received, valid3d)
         return out, next_slot
 
     return step

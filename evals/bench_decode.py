@@ -13,6 +13,7 @@ model, batch and lengths. Writes a CSV beside the printed table. No Hydra: the G
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evals.configs import method_params, model_spec
+from evals.configs import group_options, method_config, model_spec
 from longflow.cache import ATTENTION_NAME
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine, synchronize
@@ -29,8 +30,8 @@ from longflow.models import load_model, resolve_device
 
 
 def bench_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda_graph: bool) -> dict:
-    params = method_params(method)
-    engine = Engine(model, lambda: build_policy(method, budget, **params), eos_ids=[], pad_id=0,
+    policy = build_policy(method_config(method), None if method == "vanilla" else budget)
+    engine = Engine(model, lambda: copy.deepcopy(policy), eos_ids=[], pad_id=0,
                     config=EngineConfig(batch_size=len(prompts), cuda_graph=cuda_graph))
     generation = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
     seeds = list(range(len(prompts)))
@@ -86,7 +87,8 @@ def report(row: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3_8b")
-    parser.add_argument("--methods", default="vanilla,streaming,h2o,vatp,rkv,longflow")
+    parser.add_argument("--methods", default=",".join(group_options("method")),
+                        help="comma-separated method configs of conf/method/ (default: all of them)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new", type=int, default=2048)

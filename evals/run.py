@@ -13,6 +13,7 @@ other shards (`evals.shards`).
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import tempfile
@@ -83,7 +84,8 @@ class Setup:
     """A resolved run config, checked before anything heavy is loaded."""
 
     method: str
-    method_params: dict
+    method_params: dict  # the method config's fields (its class, `_target_`, and `name` aside)
+    policy: Any  # longflow.policy.KVPolicy, built and checked once; each batch gets a copy
     budget: int | None
     generation_name: str
     protocol: str
@@ -101,7 +103,7 @@ class Setup:
         """Every value of the config checked, or a UserError naming the first bad one."""
         from evals.shards import Shard
         from longflow.config import EngineConfig, GenerationConfig, from_mapping
-        from longflow.methods import build_policy
+        from longflow.methods import TARGET, build_policy
         from longflow.models import ModelSpec, check_device
 
         _check_keys(cfg, TOP_LEVEL_KEYS, "the config")
@@ -117,16 +119,16 @@ class Setup:
             raise UserError(f"require_gpu must be true or false, got {cfg['require_gpu']!r}")
         if not isinstance(cfg["results_dir"], str) or not cfg["results_dir"]:
             raise UserError(f"results_dir must be a folder path, got {cfg['results_dir']!r}")
-        method_params = dict(cfg["method"])
-        method = method_params.pop("name")
+        method_config = dict(cfg["method"])
+        method = method_config["name"]
         budget = None if method == "vanilla" else cfg["budget"]
         if method == "vanilla":
             # The full cache has no variants: both names make the same run, so that the paper and
             # lf_repo sweeps of Table 1 share it.
-            method_params["variant"] = "paper"
-        if method != "vanilla" and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-            raise UserError(f"budget must be a positive integer number of KV slots, got {cfg['budget']!r}")
-        build_policy(method, budget, **method_params)  # an unknown method or bad parameters fail here
+            method_config["variant"] = "paper"
+        policy = build_policy(method_config, budget)  # the method checks its fields and the budget
+        # The class path is code, not a setting: like the rest of the code it is not in a run's identity.
+        method_params = {key: value for key, value in method_config.items() if key not in ("name", TARGET)}
         generation_params = dict(cfg["generation"])
         generation_name, protocol = generation_params.pop("name"), generation_params.pop("protocol")
         limit = cfg.get("limit")
@@ -134,7 +136,8 @@ class Setup:
             raise UserError(f"limit must be a positive integer or null, got {limit!r}")
         generation = from_mapping(GenerationConfig, generation_params, "generation")
         return cls(
-            method=method, method_params=method_params, budget=budget, generation_name=generation_name,
+            method=method, method_params=method_params, policy=policy, budget=budget,
+            generation_name=generation_name,
             protocol=protocol, generation_params=generation_params,
             generation=generation, engine=from_mapping(EngineConfig, cfg["engine"], "engine"),
             model=from_mapping(ModelSpec, cfg["model"], "model"), limit=limit, grading=dict(cfg["grading"]),
@@ -197,7 +200,6 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
     """
     from evals.gpus import job_device
     from longflow.engine import Engine
-    from longflow.methods import build_policy
     from longflow.models import check_device, eos_token_ids, load_model
 
     check_device(cfg["device"])
@@ -213,8 +215,8 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
     check_results_dir(Path(cfg["results_dir"]))
     model, tokenizer = load_model(setup.model, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    engine = Engine(model, lambda: build_policy(setup.method, setup.budget, **setup.method_params),
-                    eos_token_ids(model, tokenizer), pad_id, setup.engine)
+    engine = Engine(model, lambda: copy.deepcopy(setup.policy), eos_token_ids(model, tokenizer), pad_id,
+                    setup.engine)
     engine.warm_up()
     seeds = {"generation": setup.generation.seed, "dataset": cfg["dataset"]["seed"], "init": setup.model.init_seed}
     return [run_dataset(job, setup, engine, tokenizer, Path(cfg["results_dir"]), config_yaml, seeds) for job in jobs]
@@ -391,8 +393,8 @@ def run_fidelity(run, job: Job, setup: Setup, engine, prompts: dict, items: list
     positions have no record."""
     from tqdm import tqdm
 
+    from baselines.vanilla import VanillaPolicy
     from longflow.fidelity import teacher_force
-    from longflow.methods import build_policy
 
     generation = setup.generation
     max_positions = engine.model.config.get_text_config().max_position_embeddings
@@ -403,8 +405,7 @@ def run_fidelity(run, job: Job, setup: Setup, engine, prompts: dict, items: list
     progress = tqdm(total=len(work), desc=f"{setup.method}/{job.name} fidelity", unit="item", dynamic_ncols=True)
     for start in range(0, len(work), setup.engine.batch_size):
         batch_items = work[start:start + setup.engine.batch_size]
-        result = teacher_force(engine, [prompts[item.id] for item in batch_items], generation,
-                               lambda: build_policy("vanilla", None))
+        result = teacher_force(engine, [prompts[item.id] for item in batch_items], generation, VanillaPolicy)
         new_records = [
             {
                 "id": item.id, "dataset": job.name, "prompt_tokens": len(prompts[item.id]),

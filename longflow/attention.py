@@ -49,6 +49,20 @@ def decode_attention(
     return out.flatten(1, 2), probs
 
 
+def masked_decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One decode query against a slot cache, output only: SDPA with the validity mask.
+
+    For methods that need no probabilities at the step (the interval methods score at their
+    compressions). q: `[B, Hq, D]`; keys, values: `[B, Hkv, S, D]`; valid: `[B, Hkv, S]` -> `[B, Hq, D]`.
+    """
+    group = q.shape[1] // keys.shape[1]
+    mask = valid.repeat_interleave(group, dim=1).unsqueeze(2)  # [B, Hq, 1, S]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
 def prefill_mask(pad: torch.Tensor) -> torch.Tensor:
     """Causal mask over a left-padded prompt: `[B, L]` bool (True = real token) -> `[B, 1, L, L]` bool.
 

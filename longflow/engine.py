@@ -90,15 +90,25 @@ class Engine:
     # ---- the steps ---------------------------------------------------------------------------
 
     def forward(self, cache: PolicyCache, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions `[B, Lq]` -> logits of the last position `[B, V]`."""
+        """input_ids, positions `[B, Lq]` -> logits of the last position `[B, V]`.
+
+        A policy that observes the forward (`KVPolicy.observes`) gets its logits, those of every
+        prompt position at prefill when it asks for them, and every layer's hidden states when it
+        asks for them; nothing is computed for the others.
+        """
+        policy = cache.policy
+        observes = policy.observes
         output = self.model(
             input_ids=input_ids,
             position_ids=positions,
             past_key_values=cache,
             kv_cache=cache,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if policy.prefilling and "prompt_logits" in observes else 1,
+            output_hidden_states="hidden_states" in observes,
         )
+        if observes:
+            policy.observe(output.logits, output.hidden_states)
         return output.logits[:, -1]
 
     def prefill(self, cache, state, input_ids, pad, generation) -> None:
@@ -230,7 +240,7 @@ class Engine:
         policy.allocate(CacheSpec(
             batch=pad.shape[0], layers=self.num_layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, prompt_len=pad.shape[1], max_new_tokens=generation.max_new_tokens,
-            dtype=self.dtype, device=self.device, rotary=self.rotary,
+            dtype=self.dtype, device=self.device, rotary=self.rotary, vocab=self.vocab,
         ))
         return PolicyCache(policy, self.num_layers)
 

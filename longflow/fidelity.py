@@ -97,7 +97,7 @@ def teacher_forced_step(engine: Engine, reference: PolicyCache, cache: PolicyCac
 def teacher_force(engine: Engine, prompts: list[list[int]], generation: GenerationConfig,
                   reference_factory: Callable[[], KVPolicy]) -> FidelityResult:
     """Teacher-forced statistics of `engine`'s method against `reference_factory`'s policy (the full
-    cache: `lambda: build_policy("vanilla", None)`) over one batch of tokenised prompts."""
+    cache: `baselines.vanilla.VanillaPolicy`) over one batch of tokenised prompts."""
     if not generation.greedy:
         raise UserError("teacher-forced fidelity needs greedy decoding (generation.temperature=0), "
                         f"got temperature {generation.temperature}")

@@ -42,10 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
-from longflow.attention import decode_attention
 from longflow.errors import UserError
 from longflow.kernels import longflow_attention, reference
-from longflow.policy import KVPolicy, snapkv_scores
+from longflow.policy import KVPolicy, Observation
+from longflow.snapkv import snapkv_scores
 
 GRANULARITIES = ("layer", "kv_head")
 KERNELS = ("auto", "triton", "reference")
@@ -56,7 +56,6 @@ VARIANTS = ("paper", "lf_repo")
 class LongFlowPolicy(KVPolicy):
     """LongFlow (see the module docstring for every field and deviation)."""
 
-    budget: int
     granularity: str = "layer"
     n_sink: int = 0
     protect_newest: bool = False
@@ -66,9 +65,7 @@ class LongFlowPolicy(KVPolicy):
     name = "longflow"
 
     def __post_init__(self):
-        if self.budget is None:
-            raise UserError(f"{self.name} needs a budget (KV slots per layer)")
-        super().__init__(self.budget)
+        super().__post_init__()
         if self.granularity not in GRANULARITIES:
             raise UserError(
                 f"{self.name}: granularity must be one of {GRANULARITIES}, got {self.granularity!r}"
@@ -80,7 +77,7 @@ class LongFlowPolicy(KVPolicy):
         if self.n_sink < 0:
             raise UserError(f"{self.name}: n_sink must be >= 0, got {self.n_sink}")
         protected = self.n_sink + int(self.protect_newest)
-        if self.budget <= protected:
+        if self.budget is not None and self.budget <= protected:
             raise UserError(f"{self.name}: budget ({self.budget}) must exceed the {protected} protected "
                             "slots (n_sink + protect_newest), or nothing could be evicted")
         self.shared_selection = self.granularity == "layer"
@@ -88,9 +85,13 @@ class LongFlowPolicy(KVPolicy):
     # ---- decode ------------------------------------------------------------------------------
 
     def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """q `[B, Hq, D]` -> out `[B, Hq, D]`; writes `next_slot[layer]` in place, no host sync."""
+        """q `[B, Hq, D]` -> out `[B, Hq, D]`; writes `next_slot[layer]` in place, no host sync.
+
+        `granularity: layer`: one fused call (the kernel returns the next slot itself, by the rule of
+        `longflow.selection`); `kv_head`: the base class's step, with `score` per KV head.
+        """
         if self.granularity == "kv_head":
-            return self._decode_per_head(layer, q, scale)
+            return super().decode(layer, q, scale)
         slots = self.layers[layer]
         # One shared selection: every KV head of `valid` and `positions` holds the same row.
         protect = self._protected(slots.positions[:, 0])  # [B, S] or None
@@ -104,18 +105,18 @@ class LongFlowPolicy(KVPolicy):
             return reference
         return longflow_attention
 
-    def _decode_per_head(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """`granularity: kv_head`: the same score per KV head, summed over its G query heads."""
-        slots = self.layers[layer]
-        out, probs = decode_attention(q, slots.keys, slots.values, slots.valid, scale)  # probs [B, Hkv, G, S]
-        # sum_h,d |p_hj v_jd| = sum_h p_hj ||v_j||_1; the constant 1 / (G * D) does not move the argmin.
-        score = probs.sum(dim=2) * slots.values.float().abs().sum(dim=-1)  # [B, Hkv, S]
-        protect = self._protected(slots.positions)
-        if protect is not None:
-            score = score.masked_fill(protect, float("inf"))
-        score = score.masked_fill(~slots.valid, -1.0)  # free slots first, even if "protected"
-        self.next_slot[layer].copy_(score.argmin(dim=-1))
-        return out
+    def score(self, obs: Observation) -> torch.Tensor:
+        """sum over query heads h and dims d of |p_hj v_j,d|: per KV head (its G query heads) for
+        `kv_head`, over all heads for `layer`. The constant 1 / (Hq D) of the paper's score is left
+        out: it moves no argmin and no top-k."""
+        # sum_h,d |p_hj v_jd| = sum_h p_hj ||v_j||_1
+        score = obs.probs.sum(dim=2) * obs.values.float().abs().sum(dim=-1)  # [n, Hkv, S]
+        if self.shared_selection:
+            return score.sum(dim=1, keepdim=True).expand_as(score)
+        return score
+
+    def protected(self, obs: Observation) -> torch.Tensor | None:
+        return self._protected(obs.positions)
 
     def _protected(self, positions: torch.Tensor) -> torch.Tensor | None:
         """Slots never evicted (sinks, the newest token) from their positions (-1 = free); None if none."""

@@ -1,39 +1,79 @@
-"""The registry of KV-cache methods: a config's `method.name` -> its policy class.
+"""From a method's config to its policy object, in one hop.
 
-Entries are import paths so that a method's module (and its kernel) is imported only when used.
-Adding a method: write one module with a `KVPolicy` subclass, add a line here and a
-`conf/method/<name>.yaml` with its defaults.
+A method config (`conf/method/<name>.yaml`) names its class with `_target_` and lists its fields;
+a field may itself be a config with a `_target_` (AMS's scorer). The object is built with Hydra's
+`instantiate` where Hydra is installed and with `resolve`, a small resolver of the same configs,
+where it is not (benchmarks run on a GPU image without Hydra). The class checks its fields once,
+in `__post_init__`, and raises `UserError`; nothing else validates a method.
+
+The config key `name` is the method's label in runs and tables, not a field of the class.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from longflow.errors import UserError
 from longflow.policy import KVPolicy
 
-METHODS = {
-    "vanilla": "baselines.vanilla:VanillaPolicy",
-    "streaming": "baselines.streaming:StreamingPolicy",
-    "h2o": "baselines.h2o:H2OPolicy",
-    "vatp": "baselines.vatp:VATPPolicy",
-    "rkv": "baselines.rkv:RKVPolicy",
-    "longflow": "longflow.method:LongFlowPolicy",
-}
+TARGET = "_target_"
 
 
-def policy_class(name: str) -> type[KVPolicy]:
-    if name not in METHODS:
-        raise UserError(f"unknown method {name!r}; choose one of {', '.join(sorted(METHODS))}")
-    module, attribute = METHODS[name].split(":")
-    return getattr(importlib.import_module(module), attribute)
-
-
-def build_policy(name: str, budget: int | None, **params) -> KVPolicy:
-    """A fresh policy; `params` are the method config's fields (besides `name`)."""
-    if budget is not None and budget <= 0:
-        raise UserError(f"budget must be a positive number of KV slots, got {budget}")
+def locate(path: str) -> Callable:
+    """The class or function at a dotted path (`baselines.h2o.H2OPolicy`)."""
+    module, _, attribute = path.rpartition(".")
     try:
-        return policy_class(name)(budget=budget, **params)
-    except TypeError as error:
-        raise UserError(f"method {name!r}: {error}") from error
+        return getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError, ValueError):
+        raise UserError(f"method class {path!r} not found") from None
+
+
+def resolve(config: Mapping[str, Any], partial: bool = False) -> Any:
+    """`instantiate` without Hydra: `_target_` called with the other keys, nested `_target_` configs
+    built first; `partial` returns the call with its arguments bound instead."""
+    arguments = {key: resolve(value) if isinstance(value, Mapping) and TARGET in value else value
+                 for key, value in config.items() if key != TARGET}
+    target = locate(config[TARGET])
+    return functools.partial(target, **arguments) if partial else target(**arguments)
+
+
+def _instantiate(config: dict[str, Any]) -> functools.partial:
+    try:
+        from hydra.errors import InstantiationException
+        from hydra.utils import instantiate
+    except ImportError:
+        return resolve(config, partial=True)
+    try:
+        return instantiate(config, _partial_=True, _convert_="all")
+    except InstantiationException as error:
+        # Hydra wraps what the classes raise; a UserError (a nested scorer's bad field) stays one.
+        cause = error.__cause__
+        if isinstance(cause, UserError):
+            raise cause from None
+        if "Error locating target" in str(error):
+            raise UserError(f"method class {config[TARGET]!r} not found") from None
+        raise UserError(str(error).splitlines()[0]) from None
+
+
+def method_factory(config: Mapping[str, Any]) -> functools.partial:
+    """The class `config` names with its fields bound: call it with the run's budget."""
+    label = config.get("name", "?")
+    fields = {key: value for key, value in config.items() if key != "name"}
+    if TARGET not in fields:
+        raise UserError(f"method {label!r}: its config names no class (`_target_`)")
+    return _instantiate(fields)
+
+
+def build_policy(config: Mapping[str, Any], budget: int | None) -> KVPolicy:
+    """The policy of a method config with the run's budget; a bad field is a UserError."""
+    factory = method_factory(config)
+    try:
+        policy = factory(budget=budget)
+    except TypeError as error:  # an unknown field, or a missing one
+        raise UserError(f"method {config.get('name', '?')!r}: {error}") from None
+    if not isinstance(policy, KVPolicy):
+        raise UserError(f"method {config.get('name', '?')!r}: {config[TARGET]} is not a KVPolicy")
+    return policy

@@ -1,10 +1,22 @@
-"""The KV-policy interface: the one thing a KV-cache method implements.
+"""The KV-policy interface: a method scores its slots, this base class does everything else.
 
-A policy owns the KV cache of one generation batch. Every method keeps its cache in static slot
-buffers (`LayerSlots`), allocated once per batch and written in place by explicit slot index, as in
-gpt-fast's `KVCache`: a decode step never concatenates or gathers, its shapes never change, and it
-does not synchronise with the host, so it can be captured in a CUDA graph. Methods differ only in
-which slot the next token overwrites and which prompt tokens survive prefill.
+A method is a `KVPolicy` subclass (a dataclass whose fields are its config, checked once in
+`__post_init__`) that writes `score(obs)`: per-slot scores `[B, Hkv, S]`, higher = keep, from an
+`Observation` of one layer (its slots, the step's attention, the recent queries, the per-slot
+state it declared). It may also say what it protects (`protected`), how it compresses a prompt
+longer than its budget (`prefill_scores`, default SnapKV) and which per-slot state it keeps
+(`slot_state`). Its `schedule` says when it runs:
+
+- `step`: every decode step, per layer: the step's attention, then the next slot is chosen by the
+  one rule of `longflow.selection` (free slots first, protected last, lowest score);
+- `interval`: the cache fills its free slots; when a row is full (after the step that fills it)
+  every layer of that row is cut to `keep_after` slots, kept by the same rule (`compress`), and
+  compacted in position order.
+
+The base class owns the slot cache (`longflow.slots.SlotCache`), the query history
+(`longflow.history`), prompt compression, the budget's capacities and the peak count. Methods
+that fuse the whole decode attention override `decode` (LongFlow's kernel returns the next slot
+itself; the full cache appends).
 
 Call order, driven by the engine (`longflow.engine`) through `PolicyCache` and the `kv_policy`
 attention function (`longflow.cache`):
@@ -12,29 +24,39 @@ attention function (`longflow.cache`):
     allocate(spec)                        once per batch
     begin_prefill(pad, positions)         host, before the prompt forward
       per layer: store(...) then attend(...)
+      observe(logits, hidden_states)      after the forward, for policies that ask (`observes`)
     begin_decode(positions)               host, once; `positions` is the engine's static tensor
       before_step(step)                   host, before each step: True if the step must run eagerly
-      per step, per layer: store(...) then attend(...)
+      per step, per layer: store(...) then attend(...); then observe(...)
       after_step(step)                    host, between steps (interval methods compress here)
 
 Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, L padded prompt length,
-D head dim.
+D head dim, n rows.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from longflow.attention import decode_attention, prefill_attention, window_probs
+from longflow.attention import decode_attention, masked_decode_attention, prefill_attention
+from longflow.errors import UserError
+from longflow.history import QueryHistory
+from longflow.selection import choose_keep, choose_next, first_free
+from longflow.slots import LayerSlots, SlotCache, SlotState
+from longflow.snapkv import snapkv_scores
 
 # Slot and prompt lengths are kept multiples of ALIGN where the engine chooses them: rows of bf16
 # matmul operands and SDPA masks whose length is not a multiple of 8 elements lose 16-byte alignment,
 # and the GPU falls back to kernels 2-3x slower.
 ALIGN = 16
+SCHEDULES = ("step", "interval")
+BUDGET_SCOPES = ("per_layer", "total")
+OBSERVABLE = frozenset({"logits", "prompt_logits", "hidden_states"})
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -55,125 +77,204 @@ class CacheSpec:
     dtype: torch.dtype
     device: torch.device
     # The model's rotary embedding, `(x, position_ids [B, L]) -> (cos, sin) [B, L, D]` in x's dtype,
-    # for methods that re-rotate cached keys (None when the engine did not find one).
+    # for methods that re-rotate cached keys or queries (None when the engine did not find one).
     rotary: Callable | None = None
+    vocab: int | None = None  # for policies that observe the logits (static buffers of `[B, vocab]`)
 
 
-class LayerSlots:
-    """Static KV buffers of one layer.
+def shrink_interval(name: str, budget: int, compress_every: int, least_kept: int) -> int:
+    """The compression interval of an interval method under the cap (capacity = budget, cut to budget -
+    interval): `compress_every`, or, when a cut would keep fewer than `least_kept` slots (a budget
+    below the interval: the demo's, a small sweep point), a quarter of the budget, with a warning
+    (none when that does not fit either: the caller refuses the budget)."""
+    if budget - compress_every >= least_kept:
+        return compress_every
+    shrunk = max(2, budget // 4)
+    if budget - shrunk >= least_kept:
+        warnings.warn(f"{name}: budget {budget} leaves no room for compress_every={compress_every}; using {shrunk}",
+                      stacklevel=4)
+    return shrunk
 
-    keys, values: `[B, Hkv, S, D]`; valid: `[B, Hkv, S]` bool (False = free or padding);
-    positions: `[B, Hkv, S]` int64, the token position held by each slot (-1 when free).
-    Methods with one shared selection per layer keep all heads of `valid` and `positions` equal.
+
+class Observation:
+    """What a scorer reads about one layer: at a decode step (every row) or a compression (some rows).
+
+    keys, values: `[n, Hkv, S, D]`; valid, positions: `[n, Hkv, S]`; newest: `[n]`, the position of
+    the newest token (the one written this step); `state(name)`: a per-slot state `[n, Hkv, S]` (the
+    cache's own tensor at a decode step, so a scorer may update it in place); `probs`: the newest
+    query's attention `[n, Hkv, G, S]` float32 (the step's own at a decode step, computed from the
+    query history at a compression); `queries(w)`: the last w queries after RoPE, oldest first.
     """
 
-    def __init__(self, spec: CacheSpec, slots: int):
-        shape = (spec.batch, spec.kv_heads, slots)
-        self.keys = torch.zeros(*shape, spec.head_dim, dtype=spec.dtype, device=spec.device)
-        self.values = torch.zeros_like(self.keys)
-        self.valid = torch.zeros(shape, dtype=torch.bool, device=spec.device)
-        self.positions = torch.full(shape, -1, dtype=torch.long, device=spec.device)
+    def __init__(self, policy: KVPolicy, layer: int, rows: torch.Tensor | None = None,
+                 probs: torch.Tensor | None = None):
+        self.policy, self.layer, self.rows = policy, layer, rows
+        self.slots: LayerSlots = policy.layers[layer]
+        self._probs = probs
+
+    def _select(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.rows is None else tensor.index_select(0, self.rows)
 
     @property
-    def slots(self) -> int:
-        return self.keys.shape[2]
+    def keys(self) -> torch.Tensor:
+        return self._select(self.slots.keys)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._select(self.slots.values)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self._select(self.slots.valid)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._select(self.slots.positions)
+
+    @property
+    def newest(self) -> torch.Tensor:
+        return self._select(self.policy.positions)
+
+    @property
+    def spec(self) -> CacheSpec:
+        return self.policy.spec
+
+    @property
+    def scale(self) -> float:
+        return self.policy.scale
+
+    def state(self, name: str) -> torch.Tensor:
+        return self._select(self.slots.state[name])
+
+    def queries(self, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(queries `[n, Hq, w, D]`, their positions `[n, w]`, valid `[n, w]`): the last `window`."""
+        return self.policy.history.recent(self.layer, self.newest, self.rows, window)
+
+    @property
+    def probs(self) -> torch.Tensor:
+        if self._probs is None:
+            newest, _, _ = self.queries(1)  # [n, Hq, 1, D]
+            _, self._probs = decode_attention(newest[:, :, 0], self.keys, self.values, self.valid, self.scale)
+        return self._probs
 
 
-def snapkv_scores(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    pad: torch.Tensor,
-    scale: float,
-    window: int = 32,
-    kernel: int = 5,
-    shared: bool = False,
-    before_window: bool = False,
-) -> torch.Tensor:
-    """SnapKV prompt scores (Li et al. 2024): attention of the last `window` queries, avg-pooled.
-
-    The window tokens themselves get +inf so that they are always kept; padding gets -inf.
-    GQA: probabilities are summed over the query heads of a KV head; `shared` sums over all heads
-    for methods with one selection per layer. By default the window queries' softmax runs over
-    all prompt keys (causal); `before_window` restricts it, and the pooling, to the keys before the
-    window, as the LongFlow authors' SnapKV does (`lf_repo`).
-
-    Args:
-        q: `[B, Hq, L, D]`; k: `[B, Hkv, L, D]`; pad: `[B, L]` bool.
-
-    Returns:
-        `[B, Hkv, L]` float32 (identical across heads when `shared`).
-    """
-    batch, kv_heads, length = pad.shape[0], k.shape[1], pad.shape[1]
-    window = min(window, length)
-    scored = length - window if before_window else length  # keys that the window's softmax covers
-    if before_window:
-        q_heads, head_dim = q.shape[1], q.shape[3]
-        last = q[:, :, scored:].float().view(batch, kv_heads, q_heads // kv_heads, window, head_dim)
-        logits = torch.matmul(last, k[:, :, :scored].float().unsqueeze(2).transpose(-1, -2)) * scale
-        logits = logits.masked_fill(~pad[:, None, None, None, :scored], float("-inf"))
-        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # [B, Hkv, G, W, L - W]
-    else:
-        probs = window_probs(q, k, pad, scale, window)  # [B, Hkv, G, W, L]
-    scores = probs.sum(dim=(2, 3))  # [B, Hkv, scored]
-    if shared:
-        scores = scores.sum(dim=1, keepdim=True).expand_as(scores)
-    if scored:
-        scores = F.avg_pool1d(scores.flatten(0, 1).unsqueeze(1), kernel, stride=1, padding=kernel // 2)
-    scores = scores.reshape(batch, kv_heads, scored)
-    scores = torch.cat([scores, scores.new_full((batch, kv_heads, length - scored), float("inf"))], dim=-1)
-    scores[..., -window:] = float("inf")
-    return scores.masked_fill(~pad[:, None, :], float("-inf"))
-
-
+@dataclass(eq=False)
 class KVPolicy:
-    """Base class of every KV-cache method.
+    """Base class of every KV-cache method (see the module docstring).
 
-    Subclasses set `name`, and override some of:
-      - `capacity(spec)`: slots allocated per layer (default: the budget);
-      - `prefill_keep(spec)`: how many prompt tokens survive prefill (default: capacity - 1, so
-        that the first decode token finds a free slot);
-      - `prefill_scores(...)`: the prompt-compression rule (default: SnapKV);
-      - `choose_next_slot(layer, probs)`: the per-step eviction rule;
-      - `decode(layer, q, scale)`: the whole decode attention, when the method fuses it;
-      - `before_step(step)`: whether the coming step does host-side work inside the forward
-        (the engine then runs it eagerly, not as a CUDA-graph replay);
-      - `after_step(step)`: host-side work between steps (interval compression).
+    Fields: `budget`, the KV slots a sequence may hold per layer (the run's `budget`; None for the
+    full cache); `budget_scope`: `per_layer` (each layer holds at most `budget`) or `total`
+    (the layers together hold at most layers x budget, for methods whose capacities differ by
+    layer). Subclasses add their own fields and check them in `__post_init__`, raising UserError.
     """
 
-    name = "base"
-    shared_selection = True  # one selection per layer, shared by all KV heads
+    budget: int | None = None
+    budget_scope: str = field(default="per_layer", kw_only=True)
 
-    def __init__(self, budget: int | None = None):
-        if budget is not None and budget <= 0:
-            raise ValueError(f"budget must be a positive number of KV slots, got {budget}")
-        self.budget = budget
+    name: ClassVar[str] = "base"
+    schedule: ClassVar[str] = "step"
+    # What the engine hands to `observe` after each forward: a subset of OBSERVABLE.
+    observes: ClassVar[frozenset[str]] = frozenset()
+    shared_selection = True  # one selection per layer, shared by all KV heads (set per instance)
+
+    def __post_init__(self):
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
+                                        or self.budget <= 0):
+            raise UserError(f"budget must be a positive integer number of KV slots, got {self.budget!r}")
+        if self.budget_scope not in BUDGET_SCOPES:
+            raise UserError(f"{self.name}: budget_scope must be one of {BUDGET_SCOPES}, got {self.budget_scope!r}")
+        if self.schedule not in SCHEDULES or not self.observes <= OBSERVABLE:  # the class's own declarations
+            raise ValueError(f"{type(self).__name__}: schedule must be one of {SCHEDULES} and observes a subset of "
+                             f"{sorted(OBSERVABLE)}, got {self.schedule!r}, {sorted(self.observes)}")
         self.spec: CacheSpec | None = None
-        self.layers: list[LayerSlots] = []
-        self.next_slot: list[torch.Tensor] = []
 
-    # ---- sizes -------------------------------------------------------------------------------
+    # ---- what a method declares --------------------------------------------------------------
 
     def capacity(self, spec: CacheSpec) -> int:
+        """Slots per layer (default: the budget)."""
         if self.budget is None:
-            raise ValueError(f"method {self.name!r} needs a budget")
+            raise UserError(f"method {self.name!r} needs a budget")
         return self.budget
 
+    def layer_capacities(self, spec: CacheSpec) -> list[int]:
+        """Slots of each layer (default: `capacity` everywhere). Under `budget_scope: total` they may
+        differ and must sum to at most layers x budget."""
+        return [self.capacity(spec)] * spec.layers
+
+    def head_capacities(self, spec: CacheSpec, layer: int) -> list[int] | None:
+        """Slots each KV head of `layer` may hold, at most the layer's (default None: all of them)."""
+        return None
+
     def prefill_keep(self, spec: CacheSpec) -> int:
+        """Prompt tokens kept per layer (default: capacity - 1, so that the first decode token finds a free slot)."""
         return self.capacity(spec) - 1
 
-    # ---- lifecycle ---------------------------------------------------------------------------
+    def slot_state(self) -> dict[str, SlotState]:
+        """The per-slot state the method keeps in the cache (default: none)."""
+        return {}
+
+    def query_window(self) -> int:
+        """How many recent queries per layer the method reads (`Observation.queries`); 0 = none."""
+        return 0
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        """Per-slot scores `[n, Hkv, S]` (or broadcastable), higher = keep."""
+        raise NotImplementedError(f"{type(self).__name__} writes no score")
+
+    def protected(self, obs: Observation) -> torch.Tensor | None:
+        """Slots never evicted, `[n, Hkv, S]` bool (free slots may be True: they are still free), or None."""
+        return None
+
+    def prefill_scores(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Prompt scores `[B, Hkv, L]`, higher = keep; padding must score -inf. Default: SnapKV."""
+        return snapkv_scores(q, k, self.pad, scale, shared=self.shared_selection)
+
+    def on_prompt_stored(self, layer: int, kept: torch.Tensor) -> None:
+        """Called after prefill with the kept prompt indices `[B, Hkv, n]` (methods with state)."""
+
+    def prepare(self, spec: CacheSpec) -> None:
+        """What a method needs from the model, checked and loaded once per batch, before the buffers
+        (the rotary embedding, a calibration file). Also called by a method that uses this one as
+        its scorer (AMS)."""
+
+    def observe(self, logits: torch.Tensor, hidden_states: tuple[torch.Tensor, ...] | None) -> None:
+        """The forward's logits `[B, Lq, V]` (the last position only, unless `prompt_logits` is observed
+        at prefill) and, when `hidden_states` is observed, every layer's input and the final norm's
+        input, `[B, Lq, hidden]` each. Runs inside the captured decode step: copy into static buffers."""
+
+    # ---- the slot cache ----------------------------------------------------------------------
+
+    @property
+    def layers(self) -> list[LayerSlots]:
+        return self.slots.layers
+
+    @property
+    def next_slot(self) -> list[torch.Tensor]:
+        return self.slots.next_slot
 
     def allocate(self, spec: CacheSpec) -> None:
         """Allocate the static buffers of one batch (called again for every batch)."""
+        self.prepare(spec)
         self.spec = spec
-        slots = self.capacity(spec)
-        self.layers = [LayerSlots(spec, slots) for _ in range(spec.layers)]
-        self.next_slot = [
-            torch.zeros(spec.batch, spec.kv_heads, dtype=torch.long, device=spec.device)
-            for _ in range(spec.layers)
-        ]
-        self.peak = torch.zeros(spec.batch, dtype=torch.long, device=spec.device)
+        capacities = self.layer_capacities(spec)
+        if self.budget_scope == "total" and sum(capacities) > spec.layers * self.budget:
+            raise UserError(f"{self.name}: the layers' capacities ({sum(capacities)} slots) exceed the total "
+                            f"budget of {spec.layers} x {self.budget}")
+        heads = [self.head_capacities(spec, layer) for layer in range(spec.layers)]
+        for layer, caps in enumerate(heads):
+            if caps is not None and (len(caps) != spec.kv_heads or max(caps) > capacities[layer] or min(caps) < 2):
+                raise UserError(f"{self.name}: layer {layer}'s head capacities {caps} must be {spec.kv_heads} "
+                                f"numbers in [2, {capacities[layer]}]")
+        self.slots = SlotCache(spec.batch, spec.kv_heads, spec.head_dim, spec.dtype, spec.device, capacities,
+                               heads if any(caps is not None for caps in heads) else None, self.slot_state())
+        window = self.query_window()
+        self.history = QueryHistory(spec.layers, spec.batch, spec.q_heads, window, spec.head_dim, spec.dtype,
+                                    spec.device) if window else None
+        self.scale = spec.head_dim ** -0.5
         self.prefilling = False
+        self.held: list[int] = []
 
     def begin_prefill(self, pad: torch.Tensor, positions: torch.Tensor) -> None:
         """pad: `[B, L]` bool (True = real token); positions: `[B, L]` int64."""
@@ -191,6 +292,12 @@ class KVPolicy:
         """
         self.prefilling = False
         self.positions = positions
+        if self.schedule == "interval":  # host count of the slots each row holds, the same in every layer
+            self.held = [self.held_after_prompt(n) for n in self.prompt_lengths]
+
+    def held_after_prompt(self, length: int) -> int:
+        """Slots a row of `length` real prompt tokens holds after prefill."""
+        return min(length, self.prefill_keep(self.spec))
 
     def before_step(self, step: int) -> bool:
         """Host hook before decode step `step` (0-based). True when the step does host-side work
@@ -199,7 +306,16 @@ class KVPolicy:
         return False
 
     def after_step(self, step: int) -> None:
-        """Host hook after decode step `step` (0-based); no-op for per-step methods."""
+        """Host hook after decode step `step` (0-based). Interval methods: cut the rows now full."""
+        if self.schedule != "interval":
+            return
+        self.held = [n + 1 for n in self.held]
+        capacity = self.layers[0].slots
+        full = [row for row, n in enumerate(self.held) if n >= capacity]
+        if full:
+            self.compress(full)
+            for row in full:
+                self.held[row] = self.keep_after
 
     # ---- called from the model ---------------------------------------------------------------
 
@@ -211,13 +327,8 @@ class KVPolicy:
         """
         if self.prefilling:
             return k, v
+        self.slots.write(layer, k, v, self.positions)
         slots = self.layers[layer]
-        index = self.next_slot[layer]  # [B, Hkv]
-        batch, kv_heads, _, head_dim = k.shape
-        slots.keys.scatter_(2, index[..., None, None].expand(batch, kv_heads, 1, head_dim), k)
-        slots.values.scatter_(2, index[..., None, None].expand(batch, kv_heads, 1, head_dim), v)
-        slots.valid.scatter_(2, index[..., None], True)
-        slots.positions.scatter_(2, index[..., None], self.positions[:, None, None].expand(-1, kv_heads, 1))
         return slots.keys, slots.values
 
     def attend(
@@ -225,74 +336,89 @@ class KVPolicy:
     ) -> torch.Tensor:
         """The attention function: q `[B, Hq, Lq, D]` -> `[B, Lq, Hq, D]` (HF's layout)."""
         if self.prefilling:
+            self.scale = scale
             out = prefill_attention(q, k, v, self.pad, scale)
-            self._store_prompt(layer, q, k, v, scale)
+            if self.history is not None:
+                self.history.record_prompt(layer, q, self.pad)
+            self.store_prompt(layer, q, k, v, scale)
             return out.transpose(1, 2)
+        if self.history is not None:
+            self.history.record(layer, q[:, :, 0], self.positions)
         return self.decode(layer, q[:, :, 0], scale).unsqueeze(1)
 
-    # ---- method hooks ------------------------------------------------------------------------
+    # ---- decode ------------------------------------------------------------------------------
 
     def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """q `[B, Hq, D]` -> out `[B, Hq, D]`; sets `next_slot[layer]` for the next step."""
+        """q `[B, Hq, D]` -> out `[B, Hq, D]`; sets `next_slot[layer]` for the next step. Static, no sync."""
         slots = self.layers[layer]
+        if self.schedule == "interval":
+            out = masked_decode_attention(q, slots.keys, slots.values, slots.valid, scale)
+            self.next_slot[layer].copy_(first_free(slots.valid, slots.usable))
+            return out
         out, probs = decode_attention(q, slots.keys, slots.values, slots.valid, scale)
-        self.choose_next_slot(layer, q, probs)
+        self.choose_next_slot(layer, probs)
         return out
 
-    def choose_next_slot(self, layer: int, q: torch.Tensor, probs: torch.Tensor) -> None:
-        """probs `[B, Hkv, G, S]` of the current step; write `self.next_slot[layer]` in place."""
-        raise NotImplementedError
+    def choose_next_slot(self, layer: int, probs: torch.Tensor | None = None) -> None:
+        """`next_slot[layer]` by the selection rule from `score` and `protected`; probs `[B, Hkv, G, S]`
+        of the step (None: computed from the query history if the score needs them)."""
+        slots = self.layers[layer]
+        obs = Observation(self, layer, probs=probs)
+        self.next_slot[layer].copy_(choose_next(self.score(obs), slots.valid, self.protected(obs), slots.usable))
 
-    def prefill_scores(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """Prompt scores `[B, Hkv, L]`, higher = keep; padding must score -inf. Default: SnapKV."""
-        return snapkv_scores(q, k, self.pad, scale, shared=self.shared_selection)
+    # ---- prefill -----------------------------------------------------------------------------
 
-    def on_prompt_stored(self, layer: int, kept: torch.Tensor) -> None:
-        """Called after prefill with the kept prompt indices `[B, Hkv, n]` (methods with state)."""
-
-    # ---- helpers -----------------------------------------------------------------------------
-
-    def first_free_slot(self, layer: int) -> torch.Tensor:
-        """`[B, Hkv]`: the lowest free slot index (0 when none is free)."""
-        return (~self.layers[layer].valid).to(torch.uint8).argmax(dim=-1)
-
-    def _store_prompt(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    def store_prompt(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+        """The prompt's kept tokens into the layer's slots: all of them when they fit, else the top
+        `prefill_keep` by `prefill_scores` (per KV head, at most its capacity - 1), in position order."""
         spec, slots = self.spec, self.layers[layer]
         length = k.shape[2]
-        keep = min(self.prefill_keep(spec), length)
-        batch, kv_heads = spec.batch, spec.kv_heads
-        if max(self.prompt_lengths) <= keep:
+        keep = min(self.prefill_keep(spec), slots.slots - 1, length)  # a layer may hold less than the budget
+        counts = None
+        if slots.usable is not None:  # per-head capacities: each head keeps at most its capacity - 1
+            counts = (slots.usable.sum(dim=-1) - 1).clamp(max=keep)  # [Hkv]
+        if max(self.prompt_lengths) <= (keep if counts is None else int(counts.min())):
             # Every real token fits; with left padding they are all among the last `keep` positions.
-            kept = torch.arange(length - keep, length, device=k.device).expand(batch, kv_heads, keep)
-            slots.keys[:, :, :keep] = k[:, :, length - keep:]
-            slots.values[:, :, :keep] = v[:, :, length - keep:]
+            kept = keep
+            self.slots.store_prompt(layer, k, v, keep, self.pad, self.prompt_positions)
         else:
-            scores = self.prefill_scores(layer, q, k, v, scale)
-            kept = scores.topk(keep, dim=-1).indices.sort(dim=-1).values  # [B, Hkv, keep]
-            gather = kept[..., None].expand(-1, -1, -1, k.shape[-1])
-            slots.keys[:, :, :keep] = k.gather(2, gather)
-            slots.values[:, :, :keep] = v.gather(2, gather)
-        pad = self.pad[:, None, :].expand(batch, kv_heads, length)
-        slots.valid[:, :, :keep] = pad.gather(2, kept)
-        positions = self.prompt_positions[:, None, :].expand(batch, kv_heads, length).gather(2, kept)
-        slots.positions[:, :, :keep] = positions.masked_fill(~slots.valid[:, :, :keep], -1)
-        self.next_slot[layer].copy_(self.first_free_slot(layer))
-        self.on_prompt_stored(layer, kept)
+            pad = self.pad[:, None, :].expand(-1, k.shape[1], -1)
+            kept = choose_keep(self.prefill_scores(layer, q, k, v, scale), pad, keep)  # [B, Hkv, keep], best first
+            if counts is not None:  # a head's ranks beyond its count are dropped (sorted last, stored free)
+                kept = torch.where(torch.arange(keep, device=k.device) < counts[:, None], kept, length)
+            kept = kept.sort(dim=-1).values
+            self.slots.store_prompt(layer, k, v, kept, self.pad, self.prompt_positions)
+        if isinstance(kept, int):
+            kept = torch.arange(length - keep, length, device=k.device).expand(spec.batch, spec.kv_heads, keep)
+        self.on_prompt_stored(layer, kept.clamp(max=length - 1))
+        if self.schedule == "interval":
+            # Held slots first, in position order: left padding leaves free slots below the prompt.
+            self.slots.compact(layer, None, self.layers[layer].valid.clone())
+
+    # ---- interval compression ----------------------------------------------------------------
+
+    @torch.no_grad()
+    def compress(self, rows: list[int]) -> None:
+        """Cut the given rows (all slots held) to `keep_after` slots, in every layer (host hook).
+
+        `keep_after`: set by every interval method (its capacity minus its interval)."""
+        self.slots.record_peak()  # the rows are full: their peak, before the cut frees slots
+        index = torch.tensor(rows, dtype=torch.long, device=self.spec.device)
+        for layer in range(self.spec.layers):
+            obs = Observation(self, layer, rows=index)
+            self.slots.compact(layer, index, self.keep_mask(obs, self.keep_after))
+
+    def keep_mask(self, obs: Observation, count: int) -> torch.Tensor:
+        """The slots a compression keeps, `[n, Hkv, S]` bool: `count` of them by the selection rule."""
+        valid = obs.valid
+        chosen = choose_keep(self.score(obs).expand_as(valid), valid, count, self.protected(obs))
+        return torch.zeros_like(valid).scatter_(-1, chosen, True) & valid
+
+    # ---- the peak ----------------------------------------------------------------------------
 
     def record_peak(self, layers: list[int] | None = None) -> None:
-        """Fold the slots held now in `layers` (default: all), per row over heads, into the peak.
-
-        A store fills a free slot or overwrites one, so the count never falls while decoding:
-        its peak is the count at the end or just before a method frees slots. Methods that free
-        slots (R-KV's cuts) call this first; the decode step itself stays free of the reduction.
-        """
-        for slots in self.layers if layers is None else [self.layers[i] for i in layers]:
-            held = slots.valid.sum(dim=-1).amax(dim=-1)  # [B]
-            torch.maximum(self.peak, held, out=self.peak)
+        self.slots.record_peak(layers)
 
     def peak_slots(self) -> list[int]:
         """Peak KV slots held per sequence, over all layers and heads, so far (syncs the host)."""
-        self.record_peak()
-        return self.peak.tolist()
+        return self.slots.peak_slots()

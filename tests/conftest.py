@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from evals.configs import model_spec
+from evals.configs import group_options, method_config, model_spec
+from longflow.methods import build_policy, method_factory
 from longflow.models import ModelSpec, load_model
 from longflow.policy import CacheSpec
 
@@ -71,6 +73,37 @@ def generate(tiny, factory, texts, max_new_tokens=24):
     return prompts, engine.generate(prompts, generation, list(range(len(prompts))))
 
 
+def method_names() -> list[str]:
+    """Every method config of conf/method/: tests cover a method as soon as its yaml exists."""
+    return group_options("method")
+
+
+COMPRESSING = [name for name in method_names() if name != "vanilla"]
+
+
+def method_variants() -> list[tuple[str, str | None]]:
+    """(method, variant) for every compressing method: both variants where its config has a `variant`."""
+    return [(name, variant) for name in COMPRESSING
+            for variant in (VARIANTS if "variant" in method_config(name) else (None,))]
+
+
+def policy_of(name: str, budget: int | None, **overrides):
+    """The policy of `conf/method/<name>.yaml` with fields replaced, as the entry point builds it."""
+    return build_policy({**method_config(name), **overrides}, budget)
+
+
+def capped_policy(name: str, budget: int, **overrides):
+    """`policy_of`, with its class wrapped by `capped`."""
+    factory = method_factory({**method_config(name), **overrides})
+    return capped(factory.func)(budget=budget, **factory.keywords)
+
+
+def method_defaults(cls) -> dict:
+    """A method's own config fields and their defaults (the base class's `budget` and `budget_scope`
+    come from the run, not from the method's yaml)."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.name not in ("budget", "budget_scope")}
+
+
 def capped(cls):
     """`cls` with the budget asserted as a hard cap after every store, attention call and step."""
 
@@ -99,10 +132,12 @@ def capped(cls):
 
 
 def drive_layer(policy, q, k, v, pad, steps, scale, rotary=None):
-    """Drives one layer of `policy` through prefill and decode as the engine does.
+    """Drives one layer of `policy` through prefill and decode as the engine does (the host hooks
+    `before_step` and `after_step` around each step).
 
     `rotary`: the model's rotary embedding, for policies that need it (`CacheSpec.rotary`).
-    Returns (held positions per step `[step][row][head] -> set`, attention output per step).
+    Returns (held positions per step `[step][row][head] -> set`, the slots that step's query
+    attended to; attention output per step).
     """
     batch, q_heads, length, head_dim = q.shape
     policy.allocate(CacheSpec(batch=batch, layers=1, q_heads=q_heads, kv_heads=k.shape[1], head_dim=head_dim,
@@ -114,11 +149,13 @@ def drive_layer(policy, q, k, v, pad, steps, scale, rotary=None):
     positions = pad.sum(dim=-1)
     policy.begin_decode(positions)
     held_log, out_log = [], []
-    for qs, ks, vs in steps:
+    for step, (qs, ks, vs) in enumerate(steps):
+        policy.before_step(step)
         policy.store(0, ks, vs)
         out_log.append(policy.attend(0, qs, ks, vs, scale)[:, 0])
         slots = policy.layers[0]
         held_log.append([[set(slots.positions[b, h][slots.valid[b, h]].tolist()) for h in range(k.shape[1])]
                          for b in range(batch)])
+        policy.after_step(step)
         positions += 1
     return held_log, out_log

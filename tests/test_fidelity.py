@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, tiny_model
+from conftest import COMPRESSING, REPO, policy_of, tiny_model
 from test_engine import hf_attention
 from test_figures import is_png, write_run
 from test_run import BASE, records, run_cli, run_dirs
@@ -27,13 +27,10 @@ from longflow.config import GenerationConfig
 from longflow.engine import Engine
 from longflow.errors import UserError
 from longflow.fidelity import teacher_force
-from longflow.methods import METHODS, build_policy
 from longflow.policy import KVPolicy
 
-# Small budgets shrink R-KV's compression interval, with a warning that is expected here.
-pytestmark = pytest.mark.filterwarnings("ignore:rkv.*leaves no room:UserWarning")
-
-COMPRESSING = sorted(set(METHODS) - {"vanilla"})
+# Small budgets shrink the compression interval of interval methods, with a warning expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:.*leaves no room:UserWarning")
 # One prompt shorter than the small budget below and one longer, so that prefill compression runs.
 TEXTS = ["What is 2 + 3?", "Compute the sum of the first ten odd numbers, please, and then add five."]
 
@@ -92,7 +89,7 @@ def test_a_budget_above_the_sequence_changes_nothing(tiny, method):
     prompts, steps = prompts_of(tokenizer), 24
     generation = GenerationConfig(max_new_tokens=steps, ignore_eos=True)
     budget = max(map(len, prompts)) + steps
-    engine = Engine(model, lambda: build_policy(method, budget), [], tokenizer.pad_token_id)
+    engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id)
     result = teacher_force(engine, prompts, generation, VanillaPolicy)
     full = Engine(model, VanillaPolicy, [], tokenizer.pad_token_id).generate(prompts, generation, [0, 1])
     assert result.tokens == full.tokens  # the reference is the full cache's greedy output
@@ -176,10 +173,8 @@ class EvictNewest(KVPolicy):
 
     name = "evict_newest"
 
-    def choose_next_slot(self, layer: int, q: torch.Tensor, probs: torch.Tensor) -> None:
-        slots = self.layers[layer]
-        newest_first = slots.positions.masked_fill(~slots.valid, torch.iinfo(torch.long).max)  # free slots first
-        self.next_slot[layer].copy_(newest_first.argmax(dim=-1))
+    def score(self, obs) -> torch.Tensor:
+        return -obs.positions  # the newest slot scores lowest (free slots still come first)
 
 
 def test_a_broken_method_is_caught():

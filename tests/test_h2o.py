@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate
+from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate, method_defaults, policy_of
 
 from baselines.h2o import H2OPolicy, prompt_attention_sums
 from longflow.errors import UserError
-from longflow.methods import build_policy
+from longflow.methods import locate
 from longflow.policy import CacheSpec
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method" / "h2o.yaml"
@@ -144,7 +143,8 @@ def test_matches_reference(variant, budget):
                 for slot in range(slots.slots):
                     if slots.valid[b, h, slot]:
                         expected = scores[int(slots.positions[b, h, slot])]
-                        assert float(policy.received[0][b, h, slot]) == pytest.approx(expected, rel=1e-4)
+                        received = policy.layers[0].state["received"]
+                        assert float(received[b, h, slot]) == pytest.approx(expected, rel=1e-4)
 
 
 @pytest.mark.parametrize("chunk_elements", [1, 200, 1 << 26])
@@ -173,11 +173,11 @@ def full_layer(policy, positions, scores, valid=None, current=10):
     layer.valid.fill_(True) if valid is None else layer.valid.copy_(valid[None])
     policy.next_slot[0].copy_((positions == current).long().argmax(dim=-1)[None])  # the token just written
     if policy.accumulate:
-        policy.received[0].copy_(scores[None])
+        layer.state["received"].copy_(scores[None])
         probs = torch.zeros(1, kv_heads, 2, slots)
     else:  # lf_repo: the current step's attention is the score
         probs = (scores / 2)[None, :, None].expand(1, kv_heads, 2, slots)
-    policy.choose_next_slot(0, None, probs)
+    policy.choose_next_slot(0, probs)
     return policy.next_slot[0][0].tolist()
 
 
@@ -196,11 +196,9 @@ def test_ties_and_free_slots():
 
 def test_config_and_validation():
     fields = yaml.safe_load(CONF.read_text())
-    assert fields.pop("name") == H2OPolicy.name
-    parameters = inspect.signature(H2OPolicy).parameters
-    defaults = {name: p.default for name, p in parameters.items() if name != "budget"}
-    assert fields == defaults
-    policy = build_policy("h2o", 11, **fields)
+    assert fields.pop("name") == H2OPolicy.name and locate(fields.pop("_target_")) is H2OPolicy
+    assert fields == method_defaults(H2OPolicy)
+    policy = policy_of("h2o", 11)
     assert (policy.heavy, policy.recent) == (5, 6)
     for bad in (dict(variant="lf-repo"), dict(compress_every=4), dict(heavy_ratio=1.0)):
         with pytest.raises(UserError):

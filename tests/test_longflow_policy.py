@@ -220,7 +220,7 @@ def test_rejects_bad_fields():
     with pytest.raises(UserError, match="protected slots"):
         LongFlowPolicy(budget=4, n_sink=3, protect_newest=True)
     with pytest.raises(UserError, match="needs a budget"):
-        LongFlowPolicy(budget=None)
+        LongFlowPolicy(budget=None).allocate(spec())
 
 
 # ---- through the engine, on the tiny models of conftest.py ---------------------------------------

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import VARIANTS, capped, tiny_model
+from conftest import VARIANTS, capped, method_defaults, policy_of, tiny_model
 
 from baselines.rkv import RKVPolicy, lf_repo_scores
 from baselines.vanilla import VanillaPolicy
 from longflow.config import GenerationConfig
 from longflow.engine import Engine
-from longflow.methods import build_policy
+from longflow.errors import UserError
+from longflow.methods import locate
 from longflow.policy import CacheSpec
 
 MODES = ("cap", "target")
@@ -57,7 +58,7 @@ class CheckedRKV(RKVPolicy):
 
     def allocate(self, spec):
         super().allocate(spec)
-        self.limit = self.budget if self.budget_mode == "cap" else self.budget + self.compress_every - 1
+        self.limit = self.budget if self.budget_mode == "cap" else self.budget + self.interval - 1
         self.cuts = [0] * spec.batch
         self.prefill_cut = False
 
@@ -133,31 +134,39 @@ def test_rows_are_cut_independently(qwen3):
 def test_config_builds_the_policy():
     path = Path(__file__).resolve().parents[1] / "conf" / "method" / "rkv.yaml"
     fields = yaml.safe_load(path.read_text())
-    assert fields.pop("name") == "rkv"
-    policy = build_policy("rkv", 512, **fields)
+    assert fields.pop("name") == "rkv" and locate(fields.pop("_target_")) is RKVPolicy
+    assert fields == method_defaults(RKVPolicy)
+    policy = policy_of("rkv", 512)
     assert isinstance(policy, RKVPolicy)
-    assert (policy.variant, policy.queries_held, policy.kernel, policy.lam) == ("paper", 8, 7, 0.1)
-    assert (policy.slots, policy.keep_after, policy.shared_selection) == (512, 384, False)
+    assert (policy.variant, policy.queries_held, policy.pool_kernel, policy.lam) == ("paper", 8, 7, 0.1)
+    assert (policy.slots_held, policy.keep_after, policy.shared_selection) == (512, 384, False)
     lf = RKVPolicy(512, variant="lf_repo")
-    lf_fields = (lf.queries_held, lf.kernel, lf.protect, lf.keep_after, lf.shared_selection)
+    lf_fields = (lf.queries_held, lf.pool_kernel, lf.protect, lf.keep_after, lf.shared_selection)
     assert lf_fields == (9, 5, 128, 380, True)
     target = RKVPolicy(512, budget_mode="target")
-    assert (target.slots, target.keep_after) == (639, 512)
+    assert (target.slots_held, target.keep_after) == (639, 512)
 
 
 @pytest.mark.parametrize("bad", [dict(variant="x"), dict(budget_mode="x"), dict(budget=8), dict(kernel=4),
-                                 dict(budget=None), dict(budget_mode="target", compress_every=1)])
+                                 dict(budget_mode="target", compress_every=1)])
 def test_invalid_settings(bad):
-    with pytest.raises(ValueError):
+    with pytest.raises(UserError):
         RKVPolicy(**{"budget": 512, **bad})
+
+
+def test_no_budget_is_refused_before_the_buffers():
+    policy = RKVPolicy()  # a scorer of another method needs none; a cache does
+    with pytest.raises(UserError, match="needs a budget"):
+        policy.allocate(CacheSpec(batch=1, layers=1, q_heads=2, kv_heads=1, head_dim=4, prompt_len=4,
+                                  max_new_tokens=8, dtype=torch.float32, device=torch.device("cpu")))
 
 
 @pytest.mark.parametrize("variant", ["paper"])
 def test_budget_below_the_interval_shrinks_it(variant):
     with pytest.warns(UserWarning, match="using 16"):
         policy = RKVPolicy(64, variant=variant)
-    assert policy.compress_every == 16 and policy.slots == 64
-    assert policy.protect < policy.keep_after < policy.slots
+    assert policy.interval == 16 and policy.slots_held == 64
+    assert policy.protect < policy.keep_after < policy.slots_held
 
 
 # ---- paper: scores against docs/methods.md -------------------------------------------------------
@@ -271,7 +280,7 @@ def test_decode_compression_keeps_the_top_scored(variant, chunked, monkeypatch):
     if chunked:  # one (layer, row) per scoring call instead of all layers and rows at once
         monkeypatch.setattr("baselines.rkv.SCORE_BYTES", 1)
     policy = make_policy(variant)
-    slots_n, window = policy.slots, policy.queries_held
+    slots_n, window = policy.slots_held, policy.queries_held
     generator = torch.Generator().manual_seed(1)
     offsets = torch.tensor([30, 7, 55])
     saved = []
@@ -281,7 +290,7 @@ def test_decode_compression_keeps_the_top_scored(variant, chunked, monkeypatch):
         slots.values.copy_(torch.randn(slots.values.shape, generator=generator))
         slots.valid.fill_(True)
         slots.positions.copy_((offsets[:, None] + torch.arange(slots_n))[:, None, :].expand(3, 2, -1))
-        policy.rings[layer].copy_(queries)
+        policy.history.rings[layer].copy_(queries)
         names = ("keys", "values", "valid", "positions")
         saved.append({name: getattr(slots, name).clone() for name in names})
     policy.compress([0, 2])
@@ -291,8 +300,8 @@ def test_decode_compression_keeps_the_top_scored(variant, chunked, monkeypatch):
         before = saved[layer]
         for name in before:  # row 1 was not full: untouched
             assert getattr(slots, name)[1].equal(before[name][1])
-        reference = reference_scores(policy.rings[layer], every, before["keys"], before["valid"],
-                                     policy.scale, policy.protect, policy.kernel, policy.lam,
+        reference = reference_scores(policy.history.rings[layer], every, before["keys"], before["valid"],
+                                     policy.scale, policy.protect, policy.pool_kernel, policy.lam,
                                      policy.threshold)
         for row in (0, 2):
             for head in range(2):
@@ -319,7 +328,7 @@ def test_prefill_compression_keeps_the_top_scored(variant, budget_mode):
     """cap: the padded prompt exceeds the slots (the base class selects first); target: it fits in
     the slots but its rows exceed the target (only `on_prompt_stored` cuts)."""
     policy = make_policy(variant, budget_mode=budget_mode)
-    extra = policy.slots if budget_mode == "cap" else policy.keep_after
+    extra = policy.slots_held if budget_mode == "cap" else policy.keep_after
     batch, length, window = 3, extra + 6, policy.queries_held
     generator = torch.Generator().manual_seed(2)
     lengths = torch.tensor([length, length - 4, 5])  # row 2 is shorter than the window
@@ -336,8 +345,8 @@ def test_prefill_compression_keeps_the_top_scored(variant, budget_mode):
 
     held = pad[:, None, :].expand(batch, 2, length)
     query_valid = pad[:, -window:]
-    reference = reference_scores(q[:, :, -window:], query_valid, k, held, 0.25, policy.protect, policy.kernel,
-                                 policy.lam, policy.threshold)
+    reference = reference_scores(q[:, :, -window:], query_valid, k, held, 0.25, policy.protect,
+                                 policy.pool_kernel, policy.lam, policy.threshold)
     for row in range(batch):
         n = min(keep, int(lengths[row]))
         for head in range(2):
@@ -355,7 +364,7 @@ def test_prefill_compression_keeps_the_top_scored(variant, budget_mode):
             if candidate.any() and (~chosen & candidate).any():
                 assert score[chosen & candidate].min() >= score[~chosen & candidate].max() - 1e-6
     # The query ring holds each row's newest prompt queries at slot position mod W.
-    ring = policy.rings[0]
+    ring = policy.history.rings[0]
     for row in range(batch):
         for t in range(max(0, int(lengths[row]) - window), int(lengths[row])):
             assert ring[row, :, t % window].equal(q[row, :, length - int(lengths[row]) + t])
@@ -519,7 +528,7 @@ def test_lf_repo_small_budget_in_the_engine(qwen3):
     generation = GenerationConfig(max_new_tokens=48, ignore_eos=True)
     result = Engine(model, factory, [], tokenizer.pad_token_id).generate(prompts(), generation, [0, 1, 2])
     policy = made[0]
-    assert policy.slots == 37 and policy.keep_after == 30 and policy.keep_scored == 24
+    assert policy.slots_held == 37 and policy.keep_after == 30 and policy.keep_scored == 24
     assert policy.prompt_cut(40) and not policy.prompt_cut(19)
     assert result.peak_slots == [37, 37, 37]  # budget - lf_margin + 1: the stored token, before the cut
     assert all(len(tokens) == 48 for tokens in result.tokens)
@@ -528,7 +537,7 @@ def test_lf_repo_small_budget_in_the_engine(qwen3):
 def test_lf_repo_budget_below_their_minimum_shrinks_the_protected_tail():
     with pytest.warns(UserWarning, match="using 15"):
         policy = RKVPolicy(64, variant="lf_repo")
-    assert (policy.protect, policy.slots, policy.keep_after, policy.keep_scored) == (15, 61, 45, 30)
+    assert (policy.protect, policy.slots_held, policy.keep_after, policy.keep_scored) == (15, 61, 45, 30)
     assert RKVPolicy(261, variant="lf_repo").keep_scored == 1  # their smallest working cache_budget
-    with pytest.raises(ValueError, match="lf_margin"):
+    with pytest.raises(UserError, match="lf_margin"):
         RKVPolicy(512, variant="lf_repo", lf_margin=0)

@@ -117,6 +117,7 @@ def test_identity_ignores_batch_size_but_not_budget(reference, tmp_path):
         (["generation.foo=1"], "Could not override 'generation.foo'"),
         (["grading.timeout=2.5"], "grading.timeout must be a positive integer, got 2.5"),
         (["-m", "method=h2o,vanilla", "budget=64,abc"], "budget must be a positive integer"),
+        (["method=rkv", "budget=8"], "rkv: budget 8 too small"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, needle, tmp_path):
@@ -148,6 +149,10 @@ def assert_refused_before_loading(result: subprocess.CompletedProcess, needle: s
         (["limit=abc"], "limit must be a positive integer"),
         (["method=h2o", "budget=[1,2"], "no viable alternative"),
         (["-m", "method=h2o,vanilla", "budget=64,abc"], "budget must be a positive integer"),
+        (["method=rkv", "budget=8"], "rkv: budget 8 too small"),
+        (["method=h2o", "method.heavy_ratio=1.5"], "h2o: heavy_ratio must be in [0, 1), got 1.5"),
+        (["method=h2o", "+method.beta=1"], "method 'h2o': H2OPolicy.__init__() got an unexpected keyword argument"),
+        (["method=h2o", "method._target_=baselines.h2o.Nothing"], "method class 'baselines.h2o.Nothing' not found"),
 ])
 def test_every_config_value_is_checked_before_anything_runs(args, needle):
     """The checks `python -m evals.run` makes before Hydra starts (the cases above, end to end)."""

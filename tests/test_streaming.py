@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate
+from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate, method_defaults, policy_of
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from baselines.streaming import StreamingPolicy, sink_rerotation
 from longflow.errors import UserError
-from longflow.methods import build_policy
+from longflow.methods import locate
 from longflow.policy import CacheSpec
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method" / "streaming.yaml"
@@ -38,7 +37,7 @@ class CheckedStreaming(capped(StreamingPolicy)):
         for row, last in enumerate(newest.tolist()):
             for head in range(slots.valid.shape[1]):
                 held = slots.positions[row, head][slots.valid[row, head]].tolist()
-                assert sorted(held) == sorted(streaming_window(last, budget, self.n_sink))
+                assert sorted(held) == sorted(streaming_window(last, budget, self.sinks))
         return out
 
 
@@ -96,24 +95,23 @@ def test_ties_and_free_slots():
     slots = policy.layers[0]
     slots.positions.copy_(torch.tensor([[[9, 1, 5, 0, 7, 8]]]))
     slots.valid.fill_(True)
-    policy.choose_next_slot(0, None, None)
+    policy.choose_next_slot(0)
     assert policy.next_slot[0].item() == 2  # oldest non-sink (position 5), not the sinks 0 and 1
     slots.valid[0, 0, 4] = False
     slots.positions[0, 0, 4] = -1
-    policy.choose_next_slot(0, None, None)
+    policy.choose_next_slot(0)
     assert policy.next_slot[0].item() == 4  # free slots first
 
 
 def test_config_and_validation():
     fields = yaml.safe_load(CONF.read_text())
-    assert fields.pop("name") == StreamingPolicy.name
-    parameters = inspect.signature(StreamingPolicy).parameters
-    assert fields == {name: p.default for name, p in parameters.items() if name != "budget"}
-    assert build_policy("streaming", 16, **fields).n_sink == 4
+    assert fields.pop("name") == StreamingPolicy.name and locate(fields.pop("_target_")) is StreamingPolicy
+    assert fields == method_defaults(StreamingPolicy)
+    assert policy_of("streaming", 16).sinks == 4
     for bad in (dict(variant="official"), dict(n_sink=-1), dict(n_sink=16)):
         with pytest.raises(UserError):
             StreamingPolicy(16, **bad)
-    assert build_policy("streaming", 34, **{**fields, "variant": "lf_repo"}).n_sink == 32
+    assert policy_of("streaming", 34, variant="lf_repo").sinks == 32
     for bad in (dict(lf_n_sink=-1), dict(lf_n_sink=32)):  # lf_repo needs budget >= lf_n_sink + 2
         with pytest.raises(UserError):
             StreamingPolicy(33, variant="lf_repo", **bad)

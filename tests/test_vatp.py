@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate
+from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate, method_defaults, policy_of
 
 from baselines.vatp import VATPPolicy
 from longflow.errors import UserError
-from longflow.methods import build_policy
+from longflow.methods import locate
 from longflow.policy import CacheSpec
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method" / "vatp.yaml"
@@ -137,33 +136,35 @@ def test_value_norm_ties_sinks_and_free_slots():
                               max_new_tokens=8, dtype=torch.float32, device=torch.device("cpu")))
     policy.begin_decode(torch.tensor([10]))
     slots = policy.layers[0]
-    slots.positions.copy_(torch.tensor([[0, 1, 10, 9, 4, 5, 6, 7]] * 2)[None])
+    slots.positions.copy_(torch.tensor([[0, 1, 99, 9, 4, 5, 6, 7]] * 2)[None])
     slots.valid.fill_(True)
     l1 = torch.tensor([[0.1, 0.1, 0.1, 0.1, 3.0, 2.0, 2.0, 5.0], [0.1, 0.1, 0.1, 0.1, 3.0, 2.0, 4.0, 5.0]])
     slots.values.copy_((l1[..., None] / 4).expand(2, 8, 4)[None])  # ||v||_1 = l1
-    policy.norms[0].copy_(l1[None])  # norms are kept per slot, computed when a value is written
-    policy.next_slot[0].fill_(2)  # position 10, just written
-    policy.received[0].fill_(1.0)
+    slots.state["norms"].copy_(l1[None])  # norms are kept per slot, computed when a value is written
+    slots.state["received"].fill_(1.0)
+    slots.state["norms"][..., 2] = 7.0  # the evicted token's, replaced when position 10 is written
+    policy.next_slot[0].fill_(2)
+    policy.store(0, torch.zeros(1, 2, 1, 4), torch.full((1, 2, 1, 4), 0.1 / 4))  # position 10 into slot 2
     probs = torch.zeros(1, 2, 2, 8)
     probs[..., 2] = 0.5  # the new token's own attention: its score restarts from this step
-    policy.choose_next_slot(0, None, probs)
+    policy.choose_next_slot(0, probs)
     head0, head1 = policy.next_slot[0][0].tolist()
     assert head0 in (5, 6) and head1 == 5  # never the sinks (0, 1) nor the recent (9, 10)
-    assert policy.received[0][0, :, 2].tolist() == [1.0, 1.0]
-    torch.testing.assert_close(policy.norms[0][0], l1)  # the written slot's norm, refreshed
+    assert slots.state["received"][0, :, 2].tolist() == [1.0, 1.0]
+    torch.testing.assert_close(slots.state["norms"][0], l1)  # the written slot's norm: ||v||_1 of its value
+    assert slots.positions[0, :, 2].tolist() == [10, 10]
     slots.valid[0, 1, 3] = False
-    policy.choose_next_slot(0, None, probs)
+    policy.choose_next_slot(0, probs)
     assert policy.next_slot[0][0, 1] == 3  # free slots first
 
 
 def test_config_and_validation():
     fields = yaml.safe_load(CONF.read_text())
-    assert fields.pop("name") == VATPPolicy.name
-    parameters = inspect.signature(VATPPolicy).parameters
-    assert fields == {name: p.default for name, p in parameters.items() if name != "budget"}
-    policy = build_policy("vatp", 40, **fields)
+    assert fields.pop("name") == VATPPolicy.name and locate(fields.pop("_target_")) is VATPPolicy
+    assert fields == method_defaults(VATPPolicy)
+    policy = policy_of("vatp", 40)
     assert (policy.sinks, policy.heavy, policy.recent) == (20, 10, 10)
-    assert build_policy("vatp", 40, variant="lf_repo").sinks == 0
+    assert policy_of("vatp", 40, variant="lf_repo").sinks == 0
     for bad in (dict(variant="repo"), dict(n_sink=-1), dict(compress_every=2), dict(n_sink=40)):
         with pytest.raises(UserError):
             VATPPolicy(40, **bad)

@@ -1,8 +1,10 @@
 """Fused LongFlow decode attention in Triton: attention output, slot scores and argmin in one pass.
 
 LongFlow (Su et al. 2026, arXiv 2603.11504); the semantics are docs/methods.md's and
-`longflow.kernels.reference`'s. Kernel ideas follow FlashAttention-2 / flash-decoding (Dao et al.;
-triton-lang/triton `python/tutorials/06-fused-attention.py` for the style).
+`longflow.kernels.reference`'s; the next slot follows the selection rule of every method
+(`longflow.selection.choose_next`: free slots first, protected last, lowest score, lowest index).
+Kernel ideas follow FlashAttention-2 / flash-decoding (Dao et al.; triton-lang/triton
+`python/tutorials/06-fused-attention.py` for the style).
 
 Decode attention is memory-bound: every byte of K and V must be read once and nothing else should
 cost as much. The work is split in two launches (no memset, no host sync):

@@ -5,7 +5,8 @@ A literal transcription of docs/methods.md (LongFlow, Su et al. 2026, arXiv 2603
     p_hj      = softmax_j over valid slots of q_h . k_{kv(h), j} * scale     (kv(h) = h // G)
     out_h     = sum_j p_hj v_{kv(h), j}
     score_j   = sum_h sum_d |p_hj v_{kv(h), j, d}| / (Hq * D)
-    next_slot = the lowest free slot if any, else argmin_j score_j over valid slots
+    next_slot = the lowest free slot if any, else argmin_j score_j over valid unprotected slots
+                (`longflow.selection.choose_next`, the rule the kernel implements)
 
 Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, D head dim.
 """
@@ -13,6 +14,8 @@ Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, D head d
 from __future__ import annotations
 
 import torch
+
+from longflow.selection import choose_next
 
 
 def longflow_scores(
@@ -47,20 +50,6 @@ def longflow_scores(
     return out.to(q.dtype), score
 
 
-def choose_slot(
-    score: torch.Tensor, valid: torch.Tensor, protect: torch.Tensor | None = None
-) -> torch.Tensor:
-    """`[B, S]` scores -> `[B]` int64: the lowest free slot, else the lowest-scoring unprotected slot.
-
-    Free slots get key -1 (below every score, which is >= 0) and protected valid slots +inf;
-    `torch.argmin` returns the first of tied minima, so the lowest free index wins.
-    """
-    key = score.masked_fill(~valid, -1.0)
-    if protect is not None:
-        key = key.masked_fill(protect & valid, float("inf"))
-    return key.argmin(dim=-1)
-
-
 def reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -76,4 +65,4 @@ def reference(
     eviction (sinks, the newest token); free slots are still chosen first.
     """
     out, score = longflow_scores(q, k, v, valid, scale)
-    return out, choose_slot(score, valid, protect)
+    return out, choose_next(score, valid, protect)
