@@ -9,8 +9,11 @@ batched with left padding:
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
-from conftest import capped_policy, generate, method_variants, policy_of
+from conftest import capped_policy, generate, method_names, method_variants, policy_of
 
 from baselines.vanilla import VanillaPolicy
 
@@ -45,3 +48,22 @@ def test_budget_is_a_hard_cap_at_every_step(tiny, method, variant):
     assert max(result.peak_slots) <= budget
     assert all(len(tokens) == 160 for tokens in result.tokens)
 
+
+
+@pytest.mark.parametrize("method", method_names())
+def test_a_finished_batch_frees_its_policy_without_garbage_collection(tiny, method):
+    """A policy (and the KV buffers it owns) is released by reference counting when its batch ends:
+    a reference cycle would keep a whole batch's cache alive into the next batch's peak memory."""
+    released = []
+
+    def factory():
+        policy = policy_of(method, None if method == "vanilla" else 40)
+        released.append(weakref.ref(policy))
+        return policy
+
+    gc.disable()
+    try:
+        generate(tiny, factory, LONG_TEXTS, max_new_tokens=8)
+        assert released and all(ref() is None for ref in released)
+    finally:
+        gc.enable()
