@@ -1,0 +1,361 @@
+"""Trains the canary model: a small Qwen3 that executes `evals.canary.task` programs.
+
+    python -m evals.canary.train --out evals/canary/model                # the committed model (one H200)
+    python -m evals.canary.train --out /tmp/canary --steps 40 --hidden 64 --layers 2   # a CPU smoke run
+
+Reproducible from `--seed`: the training programs come from a seeded generator on the device, one
+step count per batch (every row of a batch has the same length, so nothing is padded), and never
+equal a held-out program (rows that would are left out of the loss and counted). The loss covers the
+model's output only: the thinking lines, the boxed answer and the end of turn.
+
+The run length is set by `--seconds`: the first `CALIBRATION_STEPS` steps (inside the warm-up, whose
+learning rate does not depend on the run length) are timed, and the run then takes as many steps as
+fit in `--seconds`, with a cosine schedule over them. The step count is logged: `--steps N` repeats
+the same schedule. At the end the weights are rounded to bf16 and saved with the tokenizer, and the
+held-out split is scored twice in float32 as the harness runs it on a CPU: teacher-forced (an item
+is solved when every output token is the argmax given the reference before it, which is exactly
+when greedy decoding writes the reference) and by greedy generation (`model.generate`, full cache).
+Everything lands in `<out>/train_log.json`: config, environment, loss curve, accuracy, timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from evals.canary import vocabulary
+from evals.canary.task import CanaryTask, Program
+from evals.datasets import Item
+from evals.prompts import build_messages, render_prompt
+
+CALIBRATION_STEPS = 60
+LOG_EVERY = 50
+LINE_TOKENS = 19
+# A character no prompt contains: rendered in place of the question, it shows where the question's
+# tokens go inside the chat template.
+MARK = "\x00"
+
+
+@dataclass
+class TrainConfig:
+    seed: int = 0
+    seconds: float = 360.0  # training time (the evaluation comes after)
+    steps: int | None = None  # fixed step count instead of `seconds`
+    tokens_per_step: int = 131072
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 200
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    # Step counts of the training programs: a little wider than the task's, uniform per batch so that
+    # long programs, the hard ones, get a large share of the tokens.
+    train_min_steps: int = 6
+    train_max_steps: int = 90
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 2
+    intermediate: int = 768
+    rope_theta: float = 10000.0
+    max_positions: int = 4096
+    eval_items: int = 200
+    task: dict = field(default_factory=dict)  # CanaryTask knobs; empty = the default task
+
+    def architecture(self, tokenizer) -> Qwen3Config:
+        return Qwen3Config(
+            vocab_size=vocabulary.VOCAB_SIZE, hidden_size=self.hidden, intermediate_size=self.intermediate,
+            num_hidden_layers=self.layers, num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
+            head_dim=self.hidden // self.heads, max_position_embeddings=self.max_positions,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta}, tie_word_embeddings=True,
+            bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )
+
+
+class Batches:
+    """Token ids of programs, built on the device from the task's table, as the harness renders them.
+
+    A row is the rendered prompt (chat template, question, math instruction, generation prompt) then
+    the reference output and the end-of-turn token. Every number is one token, so a program of n
+    steps is always `prompt_len + 19 n + 9` tokens: a batch of one n is a dense `[B, T]` tensor.
+    Prompt and line are fixed token templates with holes for the program's numbers and names.
+    """
+
+    LINE_FIELDS = ("countdown", "left", "left_value", "right", "right_value", "target", "result")
+    NAME_FIELDS = ("left", "right", "target")
+
+    def __init__(self, task: CanaryTask, tokenizer, device: torch.device):
+        self.task, self.device = task, device
+
+        def one(text: str) -> int:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) != 1:
+                raise ValueError(f"{text!r} is not one token of the canary tokenizer")
+            return ids[0]
+
+        self.number = torch.tensor([one(str(n)) for n in range(100)], device=device)
+        self.name = torch.tensor([one(name) for name in task.names], device=device)
+        self.table = torch.tensor(task.table, device=device)  # [M, 3]: left, right, target
+        hole = -1
+        question, self.holes = [], []  # holes: prompt positions of the program's V + 2 numbers
+        for index, name in enumerate(task.names):
+            question += [one(name), one("="), hole] + ([one(","), one(" ")] if index < task.variables - 1 else
+                                                       [one(".")])
+        question += [one(" "), one("Start"), one(":"), one(" "), hole, one("."), one(" "), one("Steps"), one(":"),
+                     one(" "), hole, one(".")]
+        probe = render_prompt(tokenizer, build_messages(Item("probe", MARK, "0"), "math"), thinking=True)
+        at = probe.index(one(MARK))
+        prompt = probe[:at] + question + probe[at + 1:]
+        self.prompt = torch.tensor(prompt, device=device)
+        self.holes = torch.tensor([i for i, t in enumerate(prompt) if t == hole], device=device)
+        # "{countdown}: {left}={left_value}, {right}={right_value} -> {target}={result}\n"
+        line = [hole, one(":"), one(" "), hole, one("="), hole, one(","), one(" "), hole, one("="), hole, one(" "),
+                one("-"), one(">"), one(" "), hole, one("="), hole, one("\n")]
+        assert len(line) == LINE_TOKENS
+        self.line = torch.tensor(line, device=device)
+        self.line_holes = torch.tensor([i for i, t in enumerate(line) if t == hole], device=device)
+        self.is_name = torch.tensor([f in self.NAME_FIELDS for f in self.LINE_FIELDS], device=device)
+        self.think = torch.tensor([one("<think>"), one("\n")], device=device)
+        self.close = torch.tensor([one("</think>"), one("\n"), one("\n"), one("\\boxed{")], device=device)
+        self.tail = torch.tensor([one("}"), tokenizer.eos_token_id], device=device)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    def programs(self, generator: torch.Generator, batch: int, steps: int) -> torch.Tensor:
+        """`[B, V + 2]` random programs (initial values, start, steps): values uniform mod M as
+        `CanaryTask.program` draws them, one given step count."""
+        modulus = self.task.modulus
+        values = torch.randint(modulus, (batch, self.task.variables + 1), generator=generator, device=self.device)
+        return torch.cat([values, torch.full((batch, 1), steps, device=self.device)], dim=1)
+
+    def tokens(self, programs: torch.Tensor) -> torch.Tensor:
+        """`[B, V + 2]` programs (one step count) -> `[B, T]` token ids, prompt then reference output."""
+        batch, variables, modulus = programs.shape[0], self.task.variables, self.task.modulus
+        steps = int(programs[0, -1])
+        values, result = programs[:, :variables].clone(), programs[:, variables]
+        columns = [torch.arange(steps, 0, -1, device=self.device).expand(batch, steps)]
+        trace = []
+        for _ in range(steps):
+            left, right, target = self.table[result].unbind(-1)
+            left_value = values.gather(1, left[:, None])[:, 0]
+            right_value = values.gather(1, right[:, None])[:, 0]
+            result = (left_value + right_value) % modulus
+            values.scatter_(1, target[:, None], result[:, None])
+            trace.append(torch.stack([left, left_value, right, right_value, target, result], dim=-1))
+        fields = torch.cat([columns[0][..., None], torch.stack(trace, dim=1)], dim=-1)  # [B, n, 7]
+        ids = torch.where(self.is_name, self.name[fields.clamp(max=variables - 1)], self.number[fields])
+        lines = self.line.repeat(batch, steps, 1)  # [B, n, 19]
+        lines[:, :, self.line_holes] = ids
+        prompt = self.prompt.repeat(batch, 1)
+        prompt[:, self.holes] = self.number[programs]
+        fixed = lambda ids: ids.expand(batch, len(ids))  # noqa: E731
+        return torch.cat([prompt, fixed(self.think), lines.flatten(1), fixed(self.close),
+                          self.number[result][:, None], fixed(self.tail)], dim=1)
+
+
+def heldout_programs(task: CanaryTask, size: int, device: torch.device) -> torch.Tensor:
+    """`[size, V + 2]` the held-out split as program rows."""
+    return torch.tensor([[*p.initial, p.start, p.steps] for p in task.heldout(size)], device=device)
+
+
+def heldout_mask(programs: torch.Tensor, heldout: torch.Tensor) -> torch.Tensor:
+    """`[B]` whether each of `programs` `[B, V + 2]` is one of `heldout` `[H, V + 2]`."""
+    return (programs[:, None, :] == heldout[None]).all(dim=-1).any(dim=-1)
+
+
+def output_loss(model, tokens: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row mean cross-entropy over the output tokens `[B]`, and whether every output token is the
+    argmax `[B]` (teacher-forced exact match)."""
+    logits = model(input_ids=tokens[:, :-1]).logits[:, prompt_len - 1:].float()  # [B, output, V]
+    targets = tokens[:, prompt_len:]
+    loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(dim=1)
+    exact = (logits.argmax(dim=-1) == targets).all(dim=1)
+    return loss, exact
+
+
+@torch.no_grad()
+def teacher_forced(model, batches: Batches, programs: torch.Tensor, rows: int = 32) -> list[bool]:
+    """Per program: whether greedy decoding would write its reference output (see module docstring)."""
+    solved = []
+    for steps in programs[:, -1].unique().tolist():
+        group = programs[programs[:, -1] == steps]
+        for start in range(0, len(group), rows):
+            _, exact = output_loss(model, batches.tokens(group[start:start + rows]), batches.prompt_len)
+            solved += exact.tolist()
+    return solved
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, task: CanaryTask, size: int, device: torch.device,
+                    rows: int = 200) -> dict:
+    """Greedy generation with the full cache on the held-out split, graded on the boxed answer after
+    "</think>" (the harness's rule for these integer answers)."""
+    programs = task.heldout(size)
+    correct, lengths = [], []
+    for start in range(0, size, rows):
+        chunk: list[Program] = programs[start:start + rows]
+        prompts = [render_prompt(tokenizer, build_messages(Item(str(i), p.question(), str(p.answer)), "math"),
+                                 thinking=True) for i, p in enumerate(chunk)]
+        if len({len(p) for p in prompts}) != 1:
+            raise ValueError("held-out prompts differ in length; the canary tokenizer makes them equal")
+        output = model.generate(
+            torch.tensor(prompts, device=device), attention_mask=torch.ones(len(prompts), len(prompts[0]),
+                                                                            dtype=torch.long, device=device),
+            max_new_tokens=LINE_TOKENS * task.max_steps + 16, do_sample=False,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        )[:, len(prompts[0]):]
+        for program, row in zip(chunk, output.tolist(), strict=True):
+            if tokenizer.eos_token_id in row:
+                row = row[:row.index(tokenizer.eos_token_id) + 1]
+            text = tokenizer.decode(row, skip_special_tokens=True)
+            answer = re.findall(r"\\boxed\{(\d+)\}", text.rsplit("</think>", 1)[-1]) if "</think>" in text else []
+            correct.append(bool(answer) and answer[-1] == str(program.answer))
+            lengths.append(len(row))
+    return {"accuracy": sum(correct) / size, "items": size, "mean_output_tokens": sum(lengths) / size,
+            "max_output_tokens": max(lengths)}
+
+
+def learning_rate(config: TrainConfig, step: int, total: int | None) -> float:
+    if step < config.warmup or total is None:
+        return config.lr * min(1.0, (step + 1) / config.warmup)
+    progress = min(1.0, (step - config.warmup) / max(1, total - config.warmup))
+    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(config: TrainConfig, out: Path, device: torch.device) -> dict:
+    torch.manual_seed(config.seed)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the evaluation must compute as the CPU harness does
+    task = CanaryTask(**config.task)
+    tokenizer = vocabulary.build()
+    batches = Batches(task, tokenizer, device)
+    model = Qwen3ForCausalLM(config.architecture(tokenizer)).to(device)
+    model.config.use_cache = False
+    params = sum(p.numel() for p in model.parameters())
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=config.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    step_counts = torch.Generator().manual_seed(config.seed + 1)
+    heldout = heldout_programs(task, config.eval_items, device)
+    # The longest programs both the task and the training have: the hardest items of the held-out split.
+    validation = batches.programs(torch.Generator(device=device).manual_seed(config.seed + 2), 64,
+                                  min(task.max_steps, config.train_max_steps))
+    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    print(f"canary training: {params / 1e6:.2f}M parameters on {device}, {config.tokens_per_step} tokens a step",
+          flush=True)
+
+    curve, total, excluded, tokens_seen = [], config.steps, 0, 0
+    start = time.perf_counter()
+    step = 0
+    while total is None or step < total:
+        steps = int(torch.randint(config.train_min_steps, config.train_max_steps + 1, (1,), generator=step_counts))
+        length = batches.prompt_len + LINE_TOKENS * steps + 9
+        programs = batches.programs(generator, max(1, config.tokens_per_step // length), steps)
+        overlap = heldout_mask(programs, heldout)
+        excluded += int(overlap.sum())
+        tokens = batches.tokens(programs)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(config, step, total)
+        with amp:
+            loss, _ = output_loss(model, tokens, batches.prompt_len)
+        loss = (loss * ~overlap).sum() / (~overlap).sum().clamp(min=1)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        tokens_seen += tokens.numel()
+        step += 1
+        if total is None and step == CALIBRATION_STEPS:
+            sync(device)
+            elapsed = time.perf_counter() - start
+            total = max(config.warmup + 1, int(config.seconds * step / elapsed))
+            print(f"calibrated: {elapsed / step * 1000:.0f} ms a step -> {total} steps", flush=True)
+        if step % LOG_EVERY == 0 or step == total:
+            model.eval()
+            with amp, torch.no_grad():
+                val_loss, val_exact = output_loss(model, batches.tokens(validation), batches.prompt_len)
+            model.train()
+            point = {"step": step, "seconds": round(time.perf_counter() - start, 1), "tokens": tokens_seen,
+                     "lr": learning_rate(config, step - 1, total), "loss": round(loss.item(), 5),
+                     "val_loss": round(val_loss.mean().item(), 5),
+                     "val_exact": round(val_exact.float().mean().item(), 4)}
+            curve.append(point)
+            print(json.dumps(point), flush=True)
+        if config.steps is None and time.perf_counter() - start > 1.1 * config.seconds:
+            print(f"stopped at step {step} of {total}: past 1.1x the time budget", flush=True)
+            break
+    sync(device)
+    train_seconds = time.perf_counter() - start
+
+    model.eval()
+    model = model.to(torch.bfloat16)
+    model.config.use_cache = True
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = None
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    model = model.float()  # bf16-rounded weights, float32 arithmetic: the harness on a CPU
+
+    start = time.perf_counter()
+    solved = teacher_forced(model, batches, heldout)
+    forced = {"accuracy": sum(solved) / len(solved), "items": len(solved),
+              "seconds": round(time.perf_counter() - start, 1)}
+    print(f"held-out, teacher-forced exact: {forced['accuracy']:.3f}", flush=True)
+    start = time.perf_counter()
+    greedy = greedy_accuracy(model, tokenizer, task, config.eval_items, device)
+    greedy["seconds"] = round(time.perf_counter() - start, 1)
+    print(f"held-out, greedy full cache: {greedy['accuracy']:.3f}", flush=True)
+    log = {
+        "config": asdict(config), "task": asdict(task), "parameters": params, "steps": step,
+        "tokens": tokens_seen, "train_seconds": round(train_seconds, 1), "heldout_rows_excluded": excluded,
+        "environment": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                        "torch": torch.__version__, "transformers": transformers.__version__,
+                        "python": platform.python_version()},
+        "curve": curve, "heldout_teacher_forced": forced, "heldout_greedy": greedy,
+    }
+    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    return log
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m evals.canary.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the model, tokenizer and train_log.json")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    defaults = TrainConfig()
+    for name, value in asdict(defaults).items():
+        if name == "task":
+            continue
+        kind = int if name == "steps" else type(value)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
+    args = vars(parser.parse_args(argv))
+    out, device = args.pop("out"), torch.device(args.pop("device"))
+    log = train(TrainConfig(**args), out, device)
+    print(json.dumps({key: log[key] for key in ("steps", "train_seconds", "heldout_teacher_forced",
+                                                  "heldout_greedy")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
