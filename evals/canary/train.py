@@ -36,7 +36,7 @@ import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from evals.canary import vocabulary
-from evals.canary.task import CanaryTask, Program
+from evals.canary.task import CanaryTask
 from evals.datasets import Item
 from evals.prompts import build_messages, render_prompt
 
@@ -177,53 +177,65 @@ def heldout_mask(programs: torch.Tensor, heldout: torch.Tensor) -> torch.Tensor:
 
 
 def output_loss(model, tokens: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row mean cross-entropy over the output tokens `[B]`, and whether every output token is the
-    argmax `[B]` (teacher-forced exact match)."""
+    """Per-row mean cross-entropy over the output tokens `[B]`, and the first output position whose
+    argmax is not the reference token `[B]` (-1 where there is none: greedy decoding writes the row)."""
     logits = model(input_ids=tokens[:, :-1]).logits[:, prompt_len - 1:].float()  # [B, output, V]
     targets = tokens[:, prompt_len:]
     loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(dim=1)
-    exact = (logits.argmax(dim=-1) == targets).all(dim=1)
-    return loss, exact
+    wrong = logits.argmax(dim=-1) != targets
+    first = torch.where(wrong.any(dim=1), wrong.int().argmax(dim=1), -1)
+    return loss, first
 
 
 @torch.no_grad()
-def teacher_forced(model, batches: Batches, programs: torch.Tensor, rows: int = 32) -> list[bool]:
-    """Per program: whether greedy decoding would write its reference output (see module docstring)."""
-    solved = []
+def teacher_forced(model, batches: Batches, programs: torch.Tensor, rows: int = 32) -> dict:
+    """Held-out programs scored in one forward each: solved when no output token is a wrong argmax.
+
+    For the others, where the first wrong token sits in its line (by the line's fields), which says
+    what the model has not learnt: a table lookup (names), a retrieval (values read) or the sum.
+    """
+    fields = dict(zip(batches.line_holes.tolist(), batches.LINE_FIELDS, strict=True))
+    solved, errors = 0, {}
     for steps in programs[:, -1].unique().tolist():
         group = programs[programs[:, -1] == steps]
         for start in range(0, len(group), rows):
-            _, exact = output_loss(model, batches.tokens(group[start:start + rows]), batches.prompt_len)
-            solved += exact.tolist()
-    return solved
+            firsts = output_loss(model, batches.tokens(group[start:start + rows]), batches.prompt_len)[1]
+            for first in firsts.tolist():
+                offset = first - len(batches.think)
+                if first < 0:
+                    solved += 1
+                    continue
+                if offset >= LINE_TOKENS * steps:
+                    field = "answer"
+                else:
+                    field = fields.get(offset % LINE_TOKENS, "format") if offset >= 0 else "format"
+                errors[field] = errors.get(field, 0) + 1
+    return {"accuracy": solved / len(programs), "items": len(programs), "first_error_field": errors}
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, task: CanaryTask, size: int, device: torch.device,
-                    rows: int = 200) -> dict:
+def greedy_accuracy(model, tokenizer, task: CanaryTask, size: int, device: torch.device) -> dict:
     """Greedy generation with the full cache on the held-out split, graded on the boxed answer after
     "</think>" (the harness's rule for these integer answers)."""
     programs = task.heldout(size)
+    prompts = [render_prompt(tokenizer, build_messages(Item(str(i), p.question(), str(p.answer)), "math"),
+                             thinking=True) for i, p in enumerate(programs)]
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("held-out prompts differ in length; the canary tokenizer makes them equal")
+    output = model.generate(
+        torch.tensor(prompts, device=device), attention_mask=torch.ones(size, len(prompts[0]), dtype=torch.long,
+                                                                        device=device),
+        max_new_tokens=LINE_TOKENS * task.max_steps + 16, do_sample=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )[:, len(prompts[0]):]
     correct, lengths = [], []
-    for start in range(0, size, rows):
-        chunk: list[Program] = programs[start:start + rows]
-        prompts = [render_prompt(tokenizer, build_messages(Item(str(i), p.question(), str(p.answer)), "math"),
-                                 thinking=True) for i, p in enumerate(chunk)]
-        if len({len(p) for p in prompts}) != 1:
-            raise ValueError("held-out prompts differ in length; the canary tokenizer makes them equal")
-        output = model.generate(
-            torch.tensor(prompts, device=device), attention_mask=torch.ones(len(prompts), len(prompts[0]),
-                                                                            dtype=torch.long, device=device),
-            max_new_tokens=LINE_TOKENS * task.max_steps + 16, do_sample=False,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        )[:, len(prompts[0]):]
-        for program, row in zip(chunk, output.tolist(), strict=True):
-            if tokenizer.eos_token_id in row:
-                row = row[:row.index(tokenizer.eos_token_id) + 1]
-            text = tokenizer.decode(row, skip_special_tokens=True)
-            answer = re.findall(r"\\boxed\{(\d+)\}", text.rsplit("</think>", 1)[-1]) if "</think>" in text else []
-            correct.append(bool(answer) and answer[-1] == str(program.answer))
-            lengths.append(len(row))
+    for program, row in zip(programs, output.tolist(), strict=True):
+        if tokenizer.eos_token_id in row:
+            row = row[:row.index(tokenizer.eos_token_id) + 1]
+        text = tokenizer.decode(row, skip_special_tokens=True)
+        answer = re.findall(r"\\boxed\{(\d+)\}", text.rsplit("</think>", 1)[-1]) if "</think>" in text else []
+        correct.append(bool(answer) and answer[-1] == str(program.answer))
+        lengths.append(len(row))
     return {"accuracy": sum(correct) / size, "items": size, "mean_output_tokens": sum(lengths) / size,
             "max_output_tokens": max(lengths)}
 
@@ -235,15 +247,8 @@ def learning_rate(config: TrainConfig, step: int, total: int | None) -> float:
     return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def train(config: TrainConfig, out: Path, device: torch.device) -> dict:
-    torch.manual_seed(config.seed)
-    torch.backends.cuda.matmul.allow_tf32 = False  # the evaluation must compute as the CPU harness does
-    task = CanaryTask(**config.task)
-    tokenizer = vocabulary.build()
-    batches = Batches(task, tokenizer, device)
-    model = Qwen3ForCausalLM(config.architecture(tokenizer)).to(device)
-    model.config.use_cache = False
-    params = sum(p.numel() for p in model.parameters())
+def fit(config: TrainConfig, model, batches: Batches, heldout: torch.Tensor, device: torch.device) -> dict:
+    """The training loop; returns what the log keeps of it (curve, steps, tokens, time)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
@@ -251,29 +256,27 @@ def train(config: TrainConfig, out: Path, device: torch.device) -> dict:
                                   lr=config.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     generator = torch.Generator(device=device).manual_seed(config.seed)
     step_counts = torch.Generator().manual_seed(config.seed + 1)
-    heldout = heldout_programs(task, config.eval_items, device)
     # The longest programs both the task and the training have: the hardest items of the held-out split.
     validation = batches.programs(torch.Generator(device=device).manual_seed(config.seed + 2), 64,
-                                  min(task.max_steps, config.train_max_steps))
+                                  min(batches.task.max_steps, config.train_max_steps))
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
-    print(f"canary training: {params / 1e6:.2f}M parameters on {device}, {config.tokens_per_step} tokens a step",
-          flush=True)
-
-    curve, total, excluded, tokens_seen = [], config.steps, 0, 0
+    curve, total, tokens_seen = [], config.steps, 0
+    excluded = torch.zeros((), dtype=torch.long, device=device)  # summed on the device: no sync a step
+    model.train()
     start = time.perf_counter()
     step = 0
     while total is None or step < total:
         steps = int(torch.randint(config.train_min_steps, config.train_max_steps + 1, (1,), generator=step_counts))
         length = batches.prompt_len + LINE_TOKENS * steps + 9
         programs = batches.programs(generator, max(1, config.tokens_per_step // length), steps)
-        overlap = heldout_mask(programs, heldout)
-        excluded += int(overlap.sum())
+        keep = ~heldout_mask(programs, heldout)
+        excluded += (~keep).sum()
         tokens = batches.tokens(programs)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(config, step, total)
         with amp:
             loss, _ = output_loss(model, tokens, batches.prompt_len)
-        loss = (loss * ~overlap).sum() / (~overlap).sum().clamp(min=1)
+        loss = (loss * keep).sum() / keep.sum().clamp(min=1)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
@@ -288,47 +291,63 @@ def train(config: TrainConfig, out: Path, device: torch.device) -> dict:
         if step % LOG_EVERY == 0 or step == total:
             model.eval()
             with amp, torch.no_grad():
-                val_loss, val_exact = output_loss(model, batches.tokens(validation), batches.prompt_len)
+                val_loss, val_first = output_loss(model, batches.tokens(validation), batches.prompt_len)
             model.train()
             point = {"step": step, "seconds": round(time.perf_counter() - start, 1), "tokens": tokens_seen,
                      "lr": learning_rate(config, step - 1, total), "loss": round(loss.item(), 5),
                      "val_loss": round(val_loss.mean().item(), 5),
-                     "val_exact": round(val_exact.float().mean().item(), 4)}
+                     "val_exact": round((val_first < 0).float().mean().item(), 4)}
             curve.append(point)
             print(json.dumps(point), flush=True)
         if config.steps is None and time.perf_counter() - start > 1.1 * config.seconds:
             print(f"stopped at step {step} of {total}: past 1.1x the time budget", flush=True)
             break
     sync(device)
-    train_seconds = time.perf_counter() - start
+    return {"steps": step, "tokens": tokens_seen, "train_seconds": round(time.perf_counter() - start, 1),
+            "heldout_rows_excluded": int(excluded), "curve": curve}
 
-    model.eval()
-    model = model.to(torch.bfloat16)
-    model.config.use_cache = True
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = None
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    model = model.float()  # bf16-rounded weights, float32 arithmetic: the harness on a CPU
+
+def train(config: TrainConfig, out: Path, device: torch.device) -> dict:
+    torch.manual_seed(config.seed)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the evaluation must compute as the CPU harness does
+    task = CanaryTask(**config.task)
+    tokenizer = vocabulary.build()
+    batches = Batches(task, tokenizer, device)
+    model = Qwen3ForCausalLM(config.architecture(tokenizer)).to(device)
+    model.config.use_cache = False
+    heldout = heldout_programs(task, config.eval_items, device)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"canary training: {params / 1e6:.2f}M parameters on {device}, {config.tokens_per_step} tokens a step",
+          flush=True)
+    try:
+        run = fit(config, model, batches, heldout, device)
+    finally:  # whatever happened, keep the weights
+        model.eval()
+        model.to(torch.bfloat16)
+        model.config.use_cache = True
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.bos_token_id = None
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    model.float()  # bf16-rounded weights, float32 arithmetic: the harness on a CPU
 
     start = time.perf_counter()
-    solved = teacher_forced(model, batches, heldout)
-    forced = {"accuracy": sum(solved) / len(solved), "items": len(solved),
-              "seconds": round(time.perf_counter() - start, 1)}
-    print(f"held-out, teacher-forced exact: {forced['accuracy']:.3f}", flush=True)
+    forced = teacher_forced(model, batches, heldout)
+    forced["seconds"] = round(time.perf_counter() - start, 1)
+    print(f"held-out, teacher-forced: {json.dumps(forced)}", flush=True)
     start = time.perf_counter()
     greedy = greedy_accuracy(model, tokenizer, task, config.eval_items, device)
     greedy["seconds"] = round(time.perf_counter() - start, 1)
-    print(f"held-out, greedy full cache: {greedy['accuracy']:.3f}", flush=True)
+    print(f"held-out, greedy full cache: {json.dumps(greedy)}", flush=True)
     log = {
-        "config": asdict(config), "task": asdict(task), "parameters": params, "steps": step,
-        "tokens": tokens_seen, "train_seconds": round(train_seconds, 1), "heldout_rows_excluded": excluded,
+        "config": asdict(config), "task": asdict(task), "parameters": params,
+        **{key: value for key, value in run.items() if key != "curve"},
         "environment": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                         "torch": torch.__version__, "transformers": transformers.__version__,
                         "python": platform.python_version()},
-        "curve": curve, "heldout_teacher_forced": forced, "heldout_greedy": greedy,
+        "heldout_teacher_forced": forced, "heldout_greedy": greedy, "curve": run["curve"],
     }
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
     return log
