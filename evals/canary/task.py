@@ -73,7 +73,7 @@ class CanaryTask:
     variables: int = 20
     min_steps: int = 10
     max_steps: int = 84
-    modulus: int = 97
+    modulus: int = 23
     table_seed: int = 0
 
     def __post_init__(self):

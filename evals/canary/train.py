@@ -283,11 +283,15 @@ def fit(config: TrainConfig, model, batches: Batches, heldout: torch.Tensor, dev
         optimizer.step()
         tokens_seen += tokens.numel()
         step += 1
-        if total is None and step == CALIBRATION_STEPS:
+        if total is None and step in (CALIBRATION_STEPS // 3, CALIBRATION_STEPS):
+            # Timed from a third of the way in: the first steps carry one-time costs (kernel loading).
             sync(device)
-            elapsed = time.perf_counter() - start
-            total = max(config.warmup + 1, int(config.seconds * step / elapsed))
-            print(f"calibrated: {elapsed / step * 1000:.0f} ms a step -> {total} steps", flush=True)
+            if step == CALIBRATION_STEPS // 3:
+                timed_from = (step, time.perf_counter())
+            else:
+                per_step = (time.perf_counter() - timed_from[1]) / (step - timed_from[0])
+                total = max(config.warmup + 1, step + int((config.seconds - (time.perf_counter() - start)) / per_step))
+                print(f"calibrated: {per_step * 1000:.0f} ms a step -> {total} steps", flush=True)
         if step % LOG_EVERY == 0 or step == total:
             model.eval()
             with amp, torch.no_grad():
