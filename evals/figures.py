@@ -4,7 +4,8 @@
                             [--generation G]
 
 With several KV budgets: `accuracy_vs_budget.png` (one panel per model and dataset, one line per
-method, FullKV as a dashed horizontal line) and `throughput_vs_budget.png` (tokens/s and decode-step
+method, FullKV as a dashed horizontal line), `accuracy_by_method.png` (the same curves, one panel per
+method, each against the FullKV line) and `throughput_vs_budget.png` (tokens/s and decode-step
 latency p50 per budget, means over the datasets). With one budget: `methods.png`, bars of accuracy
 and tokens/s per method. Hollow markers are incomplete runs. Runs are read, filtered and
 deduplicated (newest wins) as for `evals.table`.
@@ -136,6 +137,26 @@ def plot_accuracy(runs: pd.DataFrame, out_dir: Path) -> Path:
     return save(figure, out_dir / "accuracy_vs_budget.png")
 
 
+def plot_accuracy_by_method(runs: pd.DataFrame, out_dir: Path) -> Path:
+    """Accuracy vs KV budget, a row per (model, dataset) and a panel per compressed method, each with
+    the full cache as its reference line: one method's curve read alone, on a shared y axis."""
+    cells = list(runs[["model", "dataset_label"]].drop_duplicates().itertuples(index=False, name=None))
+    methods = list(runs.loc[runs["method"] != REFERENCE, "series"].drop_duplicates())
+    palette = colors(runs)
+    figure, axes = new_figure(len(cells), len(methods))
+    for i, (model, dataset) in enumerate(cells):
+        cell = runs[(runs["model"] == model) & (runs["dataset_label"] == dataset)]
+        reference = cell[cell["method"] == REFERENCE]
+        for j, series in enumerate(methods):
+            ax = axes[i][j]
+            draw_lines(ax, pd.concat([reference, cell[cell["series"] == series]]), "accuracy", palette)
+            ax.set_title(f"{series}: {model}, {dataset}", fontsize=10)
+            ax.set_ylabel("accuracy (%)")
+            ax.set_ylim(0, 105)
+    add_legend(figure, runs)
+    return save(figure, out_dir / "accuracy_by_method.png")
+
+
 def plot_throughput(runs: pd.DataFrame, out_dir: Path) -> Path:
     """Tokens/s and decode-step latency p50 vs KV budget, per model, means over the datasets."""
     models = runs["model"].unique()
@@ -200,7 +221,7 @@ def plot_budget_sweep(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
     budgets = runs.loc[runs["method"] != REFERENCE, "budget"].dropna().unique()
     if len(budgets) <= 1:
         return [plot_methods(runs, out_dir)]
-    return [plot_accuracy(runs, out_dir), plot_throughput(runs, out_dir)]
+    return [plot_accuracy(runs, out_dir), plot_accuracy_by_method(runs, out_dir), plot_throughput(runs, out_dir)]
 
 
 def main(argv: list[str] | None = None) -> int:

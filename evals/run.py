@@ -1,6 +1,6 @@
 """The entry point: `python -m evals.run [overrides]` evaluates a model x method x budget on datasets.
 
-    python -m evals.run                                   # the embedded default (tiny model, demo set)
+    python -m evals.run                                   # the embedded default: the canary model and task
     python -m evals.run model=r1_distill_llama_8b method=longflow budget=2400 dataset=all
     python -m evals.run -m method=vanilla,h2o,longflow budget=1024,2048 dataset=gsm8k limit=64
 
@@ -104,7 +104,7 @@ class Setup:
         from evals.store import stable_hash
 
         spec, random = self.model, self.model.weights == "random"
-        return {
+        identity = {
             "model": spec.name, "hub_id": spec.hub_id, "revision": spec.revision, "weights": spec.weights,
             "architecture": spec.architecture if random else None, "init_seed": spec.init_seed if random else None,
             "dtype": spec.dtype, "thinks": spec.thinks,
@@ -115,6 +115,31 @@ class Setup:
             # The prompt format, not the rendered prompts: `limit` only selects which items are done.
             "template": stable_hash([getattr(tokenizer, "chat_template", None), self.protocol, spec.thinks]),
         }
+        checkpoint = None if random else checkpoint_fingerprint(spec.hub_id)
+        if checkpoint is not None:  # absent for hub ids: their revision names the weights
+            identity["checkpoint"] = checkpoint
+        return identity
+
+
+def checkpoint_fingerprint(hub_id: str) -> str | None:
+    """Content hash of a local checkpoint folder's weights, config and tokenizer, or None for a hub id.
+
+    A local folder has no revision: without this, retraining the model in place (the canary) would
+    resume the old model's runs.
+    """
+    import hashlib
+
+    from longflow.models import checkpoint_location
+
+    folder = Path(checkpoint_location(hub_id))
+    if not folder.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        if path.suffix in (".json", ".safetensors", ".jinja") and path.name != "train_log.json":
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[str, Any]]:

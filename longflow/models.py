@@ -8,6 +8,7 @@ the tests and the demo, and full-size architectures for speed benchmarks on a GP
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -17,6 +18,7 @@ from longflow.errors import UserError
 from longflow.tokenizer import CHAT_FORMATS, build_tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,17 @@ class ModelSpec:
             raise UserError(f"model {self.name!r}: weights=random needs architecture.model_type")
 
 
+def checkpoint_location(hub_id: str) -> str:
+    """`hub_id` as `from_pretrained` should get it. A relative path that is no folder under the working
+    directory but one under the project root (the canary's `evals/canary/model`) becomes that folder,
+    so that configs name committed checkpoints without an absolute path and runs work from any
+    directory; anything else (a hub id, an absolute or existing path) is returned as it is."""
+    path = Path(hub_id).expanduser()
+    if path.is_absolute() or path.is_dir():
+        return str(path)
+    return str(PROJECT_ROOT / path) if (PROJECT_ROOT / path).is_dir() else hub_id
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -71,10 +84,11 @@ def load_model(spec: ModelSpec, device: torch.device) -> tuple[PreTrainedModel, 
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.bos_token_id = tokenizer.bos_token_id
     else:
+        location = checkpoint_location(spec.hub_id)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(spec.hub_id, revision=spec.revision)
+            tokenizer = AutoTokenizer.from_pretrained(location, revision=spec.revision)
             model = AutoModelForCausalLM.from_pretrained(
-                spec.hub_id, revision=spec.revision, dtype=dtype, device_map=str(device)
+                location, revision=spec.revision, dtype=dtype, device_map=str(device)
             )
         except OSError as error:
             raise UserError(

@@ -48,7 +48,7 @@ def is_png(path) -> bool:
 def test_budget_sweep(tmp_path):
     runs = collect(sweep(tmp_path / "runs", [128, 256, 512]))
     paths = plot_budget_sweep(runs, tmp_path / "figs")
-    assert [p.name for p in paths] == ["accuracy_vs_budget.png", "throughput_vs_budget.png"]
+    assert [p.name for p in paths] == ["accuracy_vs_budget.png", "accuracy_by_method.png", "throughput_vs_budget.png"]
     assert all(is_png(p) for p in paths)
     prepared = prepare(runs)
     assert set(prepared["series"]) == {"FullKV", "StreamingLLM", "H2O", "H2O (lf_repo)", "R-KV", "LongFlow"}

@@ -15,7 +15,8 @@ the same schedule. At the end the weights are rounded to bf16 and saved with the
 held-out split is scored twice in float32 as the harness runs it on a CPU: teacher-forced (an item
 is solved when every output token is the argmax given the reference before it, which is exactly
 when greedy decoding writes the reference) and by greedy generation (`model.generate`, full cache).
-Everything lands in `<out>/train_log.json`: config, environment, loss curve, accuracy, timings.
+Everything lands in `<out>/train_log.json` (config, environment, loss curve, accuracy, timings) and
+`<out>/loss_curve.png` (`--replot` redraws it from the log).
 """
 
 from __future__ import annotations
@@ -354,7 +355,35 @@ def train(config: TrainConfig, out: Path, device: torch.device) -> dict:
         "heldout_teacher_forced": forced, "heldout_greedy": greedy, "curve": run["curve"],
     }
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    plot_curve(log, out / "loss_curve.png")
     return log
+
+
+def plot_curve(log: dict, path: Path) -> Path:
+    """The training log's curve: training and validation loss (log scale) and the validation programs
+    solved (teacher-forced), against steps."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    steps = [point["step"] for point in log["curve"]]
+    figure = Figure(figsize=(8, 3), layout="constrained")
+    FigureCanvasAgg(figure)
+    loss, solved = figure.subplots(1, 2)
+    loss.plot(steps, [point["loss"] for point in log["curve"]], label="training batch", alpha=0.6)
+    loss.plot(steps, [point["val_loss"] for point in log["curve"]], label="validation")
+    loss.set(yscale="log", xlabel="step", ylabel="loss per output token")
+    loss.legend(frameon=False)
+    solved.plot(steps, [100 * point["val_exact"] for point in log["curve"]])
+    solved.set(xlabel="step", ylabel="validation programs solved (%)", ylim=(0, 105))
+    for ax in (loss, solved):
+        ax.grid(alpha=0.3)
+    greedy = log.get("heldout_greedy", {}).get("accuracy")
+    figure.suptitle(f"canary training ({log['parameters'] / 1e6:.2f}M parameters, {log['steps']} steps, "
+                    f"{log['environment']['device']})" + ("" if greedy is None else
+                                                          f": held-out greedy accuracy {100 * greedy:.1f}%"),
+                    fontsize=10)
+    figure.savefig(path, dpi=120)
+    return path
 
 
 def sync(device: torch.device) -> None:
@@ -365,6 +394,7 @@ def sync(device: torch.device) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evals.canary.train", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the model, tokenizer and train_log.json")
+    parser.add_argument("--replot", action="store_true", help="only redraw <out>/loss_curve.png from its log")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = TrainConfig()
     for name, value in asdict(defaults).items():
@@ -374,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
     args = vars(parser.parse_args(argv))
     out, device = args.pop("out"), torch.device(args.pop("device"))
+    if args.pop("replot"):
+        print(plot_curve(json.loads((out / "train_log.json").read_text()), out / "loss_curve.png"))
+        return 0
     log = train(TrainConfig(**args), out, device)
     print(json.dumps({key: log[key] for key in ("steps", "train_seconds", "heldout_teacher_forced",
                                                   "heldout_greedy")}))
