@@ -2,18 +2,18 @@
 
 An item gives V variables with initial values (mod M), a start value and a number of steps n:
 
-    a=17, b=42, c=5, ..., t=88. Start: 31. Steps: 40.
+    a=0, b=10, c=5, d=5, e=10, ..., t=10. Start: 14. Steps: 71.
 
 A model executes the n steps, counting down, one line each, then boxes the last result:
 
     <think>
-    40: f=12, k=55 -> c=67
-    39: c=67, a=17 -> n=84
+    71: a=0, e=10 -> p=10
+    70: r=15, e=10 -> t=2
     ...
-    1: d=3, h=90 -> b=93
+    1: j=10, a=0 -> q=10
     </think>
 
-    \\boxed{93}
+    \\boxed{10}
 
 Each step is chosen by the previous result r (the start value for the first step) through the task's
 fixed step table, r -> (x, y, z): the line reads the latest values of x and y and sets
@@ -21,25 +21,31 @@ z = (x + y) mod M. The model learns the table in training; no prompt spells it o
 
 Why this shape (after RULER's variable tracking, with the program moved into the model's own output):
   - The latest value of a variable sits at its latest mention (a read copies the value it read, a
-    write states the new one): a geometric number of lines back, V/3 lines on average (three
-    mentions a line), with a long tail; before its first mention, in the prompt. So the tokens that
-    matter are specific old tokens of the model's own output: neither the last few lines (recency
-    does not suffice) nor the prompt alone.
+    write states the new one), or in the prompt before its first one. So the tokens a step needs are
+    specific old tokens, in the model's own output or in the prompt, not simply the last lines.
   - The previous result picks the next step, so no prompt holds the program: a method cannot keep
     "the program" and be done; it has to keep the latest mention of every variable.
   - A wrong value changes every later step, so the answer is right only if every step read the right
-    values: a lost token shows as a wrong answer (right by chance once in M).
+    values: a lost token shows as a wrong answer (right by chance about once in M).
+On the default held-out split (`python -m evals.canary.task` prints these): a read's value sits 52
+tokens back on average, 204 at the 99th percentile and up to 488; 11% of reads take a value that is
+still in the prompt only.
 
 Knobs (`CanaryTask`): `min_steps`, `max_steps` (the output length: 19 tokens a step with the
-canary tokenizer; steps are log-uniform between the two, so lengths have a long tail), `variables`
-(how far back operands reach, V/3 lines on average), `modulus`, `table_seed`. The held-out split is
-fixed: item i comes from its own seed string, so the first N items are the same for any split size.
+canary tokenizer; steps are log-uniform between the two, so lengths have a long tail), `variables`,
+`modulus`, `table_seed` (how far back operands reach follows from these three through the step
+table's dynamics; `python -m evals.canary.task --variables 26` shows it). The held-out split is fixed:
+item i comes from its own seed string, so the first N items are the same for any split size.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
+import re
+import statistics
+import sys
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 
@@ -158,7 +164,65 @@ class Program:
         return distances
 
 
+MENTION = re.compile(r"\b([a-z])=(\d+)")
+
+
+def reach_in_tokens(prompt: str, output: str, tokenizer) -> list[int]:
+    """For every read of `output` (the first two mentions of a line): how many tokens back the value
+    it needs sits, i.e. its variable's previous "name=value" in `prompt` + `output` (the rendered
+    prompt text). Measured on the text, independently of `Program`."""
+    text = prompt + output
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    token_at = {start: index for index, (start, _) in enumerate(offsets)}
+    latest: dict[str, int] = {}
+    distances = []
+    line_mentions = 0
+    for match in MENTION.finditer(text):
+        name, value_token = match.group(1), token_at[match.start(2)]
+        if match.start() >= len(prompt):
+            if line_mentions % 3 != 2:  # a read; the third mention of a line is the write
+                distances.append(value_token - latest[name])
+            line_mentions += 1
+        latest[name] = value_token
+    return distances
+
+
 def heldout_rows(size: int = HELDOUT_SIZE, **knobs) -> list[dict[str, str]]:
     """The held-out split as dataset rows (`index`, `question`, `true_answer`) for `evals.datasets`."""
     return [{"index": f"canary-{index}", "question": program.question(), "true_answer": str(program.answer)}
             for index, program in enumerate(CanaryTask(**knobs).heldout(size))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Prints the held-out split's length and reach statistics in the canary tokenizer's tokens."""
+    from evals.canary import vocabulary
+    from evals.datasets import Item
+    from evals.prompts import build_messages, render_prompt
+
+    parser = argparse.ArgumentParser(prog="python -m evals.canary.task", description=main.__doc__)
+    parser.add_argument("--size", type=int, default=HELDOUT_SIZE)
+    for name, value in asdict(CanaryTask()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+    args = vars(parser.parse_args(argv))
+    size = args.pop("size")
+    task, tokenizer = CanaryTask(**args), vocabulary.build()
+    prompts, outputs, reach = [], [], []
+    for program in task.heldout(size):
+        item = Item("x", program.question(), str(program.answer))
+        prompt = render_prompt(tokenizer, build_messages(item, "math"), thinking=True)
+        prompts.append(len(prompt))
+        outputs.append(len(tokenizer(program.output(), add_special_tokens=False)["input_ids"]) + 1)  # + EOS
+        reach += reach_in_tokens(tokenizer.decode(prompt), program.output(), tokenizer)
+    reach.sort()
+    print(f"{task}: {size} held-out items")
+    print(f"prompt tokens: mean {statistics.mean(prompts):.0f}; output tokens (with EOS): mean "
+          f"{statistics.mean(outputs):.1f}, max {max(outputs)}, {sum(n > 1500 for n in outputs)} past 1500; "
+          f"mean sequence {statistics.mean(prompts) + statistics.mean(outputs):.0f}")
+    print(f"reads: {len(reach)}; tokens back to the value read: mean {statistics.mean(reach):.1f}, median "
+          f"{reach[len(reach) // 2]}, p90 {reach[int(0.9 * len(reach))]}, p99 {reach[int(0.99 * len(reach))]}, "
+          f"max {reach[-1]}; {sum(d >= 192 for d in reach)} reads 192+ back")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
