@@ -29,8 +29,8 @@ test: $(STAMP)  ## the whole suite (CPU; Triton kernels through its interpreter;
 test-fast: $(STAMP)  ## without the end-to-end runs marked slow
 	$(PY) -m pytest -q -m "not slow"
 
-demo: $(STAMP)  ## every method on the tiny model and the embedded demo set, then the table and a plot
-	$(PY) -m evals.run -m experiment=demo method=vanilla,streaming,h2o,vatp,rkv,longflow
+demo: $(STAMP)  ## the canary model on 32 canary items, CPU: every method at three KV budgets and the full cache; tables, plots
+	$(PY) -m evals.run -m experiment=demo
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_kv_slots --metric peak_kv_slots
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_tokens_per_s --metric tokens_per_second

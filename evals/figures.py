@@ -33,6 +33,7 @@ REFERENCE_COLOR = "0.25"
 PANEL = (4.0, 3.0)  # inches per panel
 LATENCY = "step_latency_ms.p50"
 HATCH = "//"  # bars of incomplete runs
+BY_METHOD_COLUMNS = 3
 
 
 def prepare(runs: pd.DataFrame) -> pd.DataFrame:
@@ -138,21 +139,27 @@ def plot_accuracy(runs: pd.DataFrame, out_dir: Path) -> Path:
 
 
 def plot_accuracy_by_method(runs: pd.DataFrame, out_dir: Path) -> Path:
-    """Accuracy vs KV budget, a row per (model, dataset) and a panel per compressed method, each with
-    the full cache as its reference line: one method's curve read alone, on a shared y axis."""
+    """Accuracy vs KV budget, one panel per compressed method and (model, dataset), each with the full
+    cache as its reference line: one method's curve read alone, on a shared y axis. Panels wrap at
+    `BY_METHOD_COLUMNS` per row."""
     cells = list(runs[["model", "dataset_label"]].drop_duplicates().itertuples(index=False, name=None))
     methods = list(runs.loc[runs["method"] != REFERENCE, "series"].drop_duplicates())
+    panels = [(cell, series) for cell in cells for series in methods]
+    columns = min(BY_METHOD_COLUMNS, len(panels))
     palette = colors(runs)
-    figure, axes = new_figure(len(cells), len(methods))
-    for i, (model, dataset) in enumerate(cells):
+    figure, axes = new_figure(-(-len(panels) // columns), columns)
+    for index, ((model, dataset), series) in enumerate(panels):
+        ax = axes[index // columns][index % columns]
         cell = runs[(runs["model"] == model) & (runs["dataset_label"] == dataset)]
-        reference = cell[cell["method"] == REFERENCE]
-        for j, series in enumerate(methods):
-            ax = axes[i][j]
-            draw_lines(ax, pd.concat([reference, cell[cell["series"] == series]]), "accuracy", palette)
-            ax.set_title(f"{series}: {model}, {dataset}", fontsize=10)
-            ax.set_ylabel("accuracy (%)")
-            ax.set_ylim(0, 105)
+        draw_lines(ax, cell[(cell["method"] == REFERENCE) | (cell["series"] == series)], "accuracy", palette)
+        ax.set_title(series if len(cells) == 1 else f"{series}: {model}, {dataset}", fontsize=10)
+        ax.set_ylabel("accuracy (%)")
+        ax.set_ylim(0, 105)
+    for index in range(len(panels), len(axes) * columns):
+        axes[index // columns][index % columns].set_visible(False)
+    if len(cells) == 1:
+        size = runs["dataset_size"].max()
+        figure.suptitle(f"{cells[0][0]}: {cells[0][1]}" + ("" if pd.isna(size) else f" ({int(size)})"), fontsize=10)
     add_legend(figure, runs)
     return save(figure, out_dir / "accuracy_by_method.png")
 

@@ -148,3 +148,19 @@ def test_over_long_prompts_are_recorded_and_the_run_goes_on(tmp_path):
     reasons = {row["reason"] for row in rows}
     assert "prompt_too_long" in reasons and len(reasons) > 1  # short prompts still generated
     assert all(not row["correct"] for row in rows if row["reason"] == "prompt_too_long")
+
+
+def test_a_local_checkpoint_is_part_of_the_identity(tmp_path):
+    """A local folder has no revision: its weights' content names the run, so a retrained model starts
+    new runs instead of resuming the old model's."""
+    from evals.run import checkpoint_fingerprint
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "train_log.json").write_text("{}")
+    before = checkpoint_fingerprint(str(tmp_path))
+    (tmp_path / "train_log.json").write_text('{"note": 1}')  # not the model
+    assert checkpoint_fingerprint(str(tmp_path)) == before
+    (tmp_path / "model.safetensors").write_bytes(b"retrained")
+    assert checkpoint_fingerprint(str(tmp_path)) not in (before, None)
+    assert checkpoint_fingerprint("Qwen/Qwen3-8B") is None

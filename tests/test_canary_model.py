@@ -1,0 +1,109 @@
+"""The committed canary model through the harness: it loads offline from its folder, solves canary items
+with the full cache, and the harness tells a broken KV method from a faithful one by accuracy."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from evals.canary.task import CanaryTask
+from evals.configs import model_spec
+from evals.datasets import Item
+from evals.grading import grade
+from evals.prompts import build_messages, render_prompt
+from evals.run import decode
+from longflow.config import GenerationConfig
+from longflow.engine import Engine
+from longflow.methods import build_policy
+from longflow.models import PROJECT_ROOT, checkpoint_location, eos_token_ids, load_model
+from longflow.policy import KVPolicy
+
+# The first 16 held-out items of at most 20 steps (at most 389 output tokens): a CI-sized subset.
+SUBSET = [(str(index), program) for index, program in enumerate(CanaryTask().heldout()) if program.steps <= 20][:16]
+SMALL_BUDGET = 128  # slots: under half of these items' mean sequence length (121 + 312 tokens)
+
+
+class EvictNewest(KVPolicy):
+    """Deliberately broken: once the cache is full, every new token overwrites the one written before it,
+    so the model keeps the old tokens and loses each newest one at the next step."""
+
+    name = "evict_newest"
+
+    def choose_next_slot(self, layer: int, q: torch.Tensor, probs: torch.Tensor) -> None:
+        free = ~self.layers[layer].valid
+        # next_slot still holds the slot written this step: keep it once no slot is free.
+        self.next_slot[layer].copy_(torch.where(free.any(dim=-1), free.to(torch.uint8).argmax(dim=-1),
+                                                self.next_slot[layer]))
+
+
+class EvictRandom(KVPolicy):
+    """Deliberately broken: once the cache is full, the next token overwrites a uniformly random slot."""
+
+    name = "evict_random"
+
+    def __init__(self, budget: int | None = None):
+        super().__init__(budget)
+        self.generator = torch.Generator().manual_seed(0)
+
+    def choose_next_slot(self, layer: int, q: torch.Tensor, probs: torch.Tensor) -> None:
+        slots = self.layers[layer]
+        free = ~slots.valid
+        chosen = torch.randint(slots.slots, self.next_slot[layer].shape, generator=self.generator)
+        self.next_slot[layer].copy_(torch.where(free.any(dim=-1), free.to(torch.uint8).argmax(dim=-1), chosen))
+
+
+@functools.cache
+def canary():
+    """(model, tokenizer) as `model=canary` loads them: float32 on the CPU."""
+    return load_model(model_spec("canary"), torch.device("cpu"))
+
+
+@functools.cache
+def accuracy(factory) -> float:
+    """Greedy accuracy on `SUBSET` with `factory`'s policy, graded by the harness's grader."""
+    model, tokenizer = canary()
+    prompts = [render_prompt(tokenizer, build_messages(Item(i, p.question(), str(p.answer)), "math"), thinking=True)
+               for i, p in SUBSET]
+    eos = eos_token_ids(model, tokenizer)
+    engine = Engine(model, factory, eos, tokenizer.pad_token_id)
+    result = engine.generate(prompts, GenerationConfig(max_new_tokens=400), [0] * len(prompts))
+    grades = [grade("math", decode(tokenizer, tokens, eos), str(p.answer), finish_reason=reason)
+              for (_, p), tokens, reason in zip(SUBSET, result.tokens, result.finish_reasons, strict=True)]
+    return sum(g.correct for g in grades) / len(grades)
+
+
+def full_cache():
+    return build_policy("vanilla", None)
+
+
+def test_the_model_loads_from_any_directory(tmp_path, monkeypatch):
+    """model.hub_id names the committed folder relative to the project: found from elsewhere too."""
+    monkeypatch.chdir(tmp_path)
+    folder = checkpoint_location(model_spec("canary").hub_id)
+    assert folder == str(PROJECT_ROOT / "evals" / "canary" / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer.decode(tokenizer("7: a=0, e=10 -> p=10\n")["input_ids"]) == "7: a=0, e=10 -> p=10\n"
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                         tokenize=False) == "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
+    model, _ = canary()
+    assert model.config.model_type == "qwen3" and model.config.num_key_value_heads < model.config.num_attention_heads
+    assert sum(p.numel() for p in model.parameters()) < 4e6
+
+
+@pytest.mark.slow
+def test_full_cache_solves_the_canary():
+    assert accuracy(full_cache) >= 0.9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [EvictNewest, EvictRandom])
+def test_a_broken_policy_scores_clearly_below_a_faithful_one(broken):
+    """At a small budget, R-KV (which keeps what attention uses and drops the older of two similar keys:
+    a variable's stale mentions) keeps most items right; a policy that throws away the newest token,
+    or a random one, loses nearly all of them."""
+    faithful = accuracy(functools.partial(build_policy, "rkv", SMALL_BUDGET, compress_every=32))
+    wrong = accuracy(functools.partial(broken, SMALL_BUDGET))
+    assert faithful >= 0.8 and wrong <= faithful - 0.5, (faithful, wrong)
