@@ -29,7 +29,7 @@ test: $(STAMP)  ## the whole suite (CPU; Triton kernels through its interpreter;
 test-fast: $(STAMP)  ## without the end-to-end runs marked slow
 	$(PY) -m pytest -q -m "not slow"
 
-demo: $(STAMP)  ## the canary model on 32 canary items, CPU: every method at three KV budgets and the full cache; tables, plots
+demo: $(STAMP)  ## the canary model on 16 canary items, CPU: every method at three KV budgets and the full cache; tables, plots
 	$(PY) -m evals.run -m experiment=demo
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_kv_slots --metric peak_kv_slots
