@@ -121,25 +121,36 @@ class Setup:
         return identity
 
 
+_FINGERPRINTS: dict[tuple, str] = {}  # (name, size, mtime) of a folder's files -> their content hash
+
+
 def checkpoint_fingerprint(hub_id: str) -> str | None:
     """Content hash of a local checkpoint folder's weights, config and tokenizer, or None for a hub id.
 
     A local folder has no revision: without this, retraining the model in place (the canary) would
-    resume the old model's runs.
+    resume the old model's runs. Files are read in blocks and each folder state is hashed once per
+    process: an 8B checkpoint is 16 GB.
     """
     import hashlib
+    from functools import partial
 
     from longflow.models import checkpoint_location
 
     folder = Path(checkpoint_location(hub_id))
     if not folder.is_dir():
         return None
-    digest = hashlib.sha256()
-    for path in sorted(folder.iterdir()):
-        if path.suffix in (".json", ".safetensors", ".jinja") and path.name != "train_log.json":
+    files = [path for path in sorted(folder.iterdir())
+             if path.suffix in (".json", ".safetensors", ".jinja") and path.name != "train_log.json"]
+    state = tuple((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in files)
+    if state not in _FINGERPRINTS:
+        digest = hashlib.sha256()
+        for path in files:
             digest.update(path.name.encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+            with path.open("rb") as handle:
+                for block in iter(partial(handle.read, 1 << 24), b""):
+                    digest.update(block)
+        _FINGERPRINTS[state] = digest.hexdigest()[:16]
+    return _FINGERPRINTS[state]
 
 
 def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[str, Any]]:

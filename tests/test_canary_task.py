@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from evals.canary import vocabulary
+from evals.canary.batches import Batches, heldout_mask, heldout_programs
 from evals.canary.task import HELDOUT_SIZE, CanaryTask, Program, heldout_rows, reach_in_tokens
-from evals.canary.train import Batches, heldout_mask, heldout_programs
 from evals.datasets import Item, fingerprint, load, registry_spec
 from evals.prompts import build_messages, render_prompt
 from longflow.errors import UserError

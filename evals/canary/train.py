@@ -1,17 +1,19 @@
 """Trains the canary model: a small Qwen3 that executes `evals.canary.task` programs.
 
-    python -m evals.canary.train --out evals/canary/model                # the committed model (one H200)
+    python -m evals.canary.train --out evals/canary/model --steps 5000   # the committed model (one H200)
     python -m evals.canary.train --out /tmp/canary --steps 40 --hidden 64 --layers 2   # a CPU smoke run
+    python -m evals.canary.train --out /tmp/canary16 --seconds 300 --task '{"variables": 16}'  # another task
 
 Reproducible from `--seed`: the training programs come from a seeded generator on the device, one
 step count per batch (every row of a batch has the same length, so nothing is padded), and never
 equal a held-out program (rows that would are left out of the loss and counted). The loss covers the
 model's output only: the thinking lines, the boxed answer and the end of turn.
 
-The run length is set by `--seconds`: the first `CALIBRATION_STEPS` steps (inside the warm-up, whose
-learning rate does not depend on the run length) are timed, and the run then takes as many steps as
-fit in `--seconds`, with a cosine schedule over them. The step count is logged: `--steps N` repeats
-the same schedule. At the end the weights are rounded to bf16 and saved with the tokenizer, and the
+The run is `--steps` long (5000, the committed model's), or as long as fits in `--seconds`: then steps
+`CALIBRATION_STEPS // 3` to `CALIBRATION_STEPS` (inside the warm-up, whose learning rate does not
+depend on the run length; the first steps carry one-time costs) are timed, and the run takes as many
+steps as fit, with a cosine schedule over them. The step count is logged: `--steps N` repeats the
+same schedule. At the end the weights are rounded to bf16 and saved with the tokenizer, and the
 held-out split is scored twice in float32 as the harness runs it on a CPU: teacher-forced (an item
 is solved when every output token is the argmax given the reference before it, which is exactly
 when greedy decoding writes the reference) and by greedy generation (`model.generate`, full cache).
@@ -37,23 +39,20 @@ import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from evals.canary import vocabulary
+from evals.canary.batches import LINE_TOKENS, Batches, heldout_mask, heldout_programs
 from evals.canary.task import CanaryTask
 from evals.datasets import Item
 from evals.prompts import build_messages, render_prompt
 
 CALIBRATION_STEPS = 60
 LOG_EVERY = 50
-LINE_TOKENS = 19
-# A character no prompt contains: rendered in place of the question, it shows where the question's
-# tokens go inside the chat template.
-MARK = "\x00"
 
 
 @dataclass
 class TrainConfig:
     seed: int = 0
-    seconds: float = 360.0  # training time (the evaluation comes after)
-    steps: int | None = None  # fixed step count instead of `seconds`
+    steps: int = 5000
+    seconds: float | None = None  # train for this long instead (the evaluation comes after)
     tokens_per_step: int = 131072
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -82,99 +81,6 @@ class TrainConfig:
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta}, tie_word_embeddings=True,
             bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )
-
-
-class Batches:
-    """Token ids of programs, built on the device from the task's table, as the harness renders them.
-
-    A row is the rendered prompt (chat template, question, math instruction, generation prompt) then
-    the reference output and the end-of-turn token. Every number is one token, so a program of n
-    steps is always `prompt_len + 19 n + 9` tokens: a batch of one n is a dense `[B, T]` tensor.
-    Prompt and line are fixed token templates with holes for the program's numbers and names.
-    """
-
-    LINE_FIELDS = ("countdown", "left", "left_value", "right", "right_value", "target", "result")
-    NAME_FIELDS = ("left", "right", "target")
-
-    def __init__(self, task: CanaryTask, tokenizer, device: torch.device):
-        self.task, self.device = task, device
-
-        def one(text: str) -> int:
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(ids) != 1:
-                raise ValueError(f"{text!r} is not one token of the canary tokenizer")
-            return ids[0]
-
-        self.number = torch.tensor([one(str(n)) for n in range(100)], device=device)
-        self.name = torch.tensor([one(name) for name in task.names], device=device)
-        self.table = torch.tensor(task.table, device=device)  # [M, 3]: left, right, target
-        hole = -1
-        question, self.holes = [], []  # holes: prompt positions of the program's V + 2 numbers
-        for index, name in enumerate(task.names):
-            question += [one(name), one("="), hole] + ([one(","), one(" ")] if index < task.variables - 1 else
-                                                       [one(".")])
-        question += [one(" "), one("Start"), one(":"), one(" "), hole, one("."), one(" "), one("Steps"), one(":"),
-                     one(" "), hole, one(".")]
-        probe = render_prompt(tokenizer, build_messages(Item("probe", MARK, "0"), "math"), thinking=True)
-        at = probe.index(one(MARK))
-        prompt = probe[:at] + question + probe[at + 1:]
-        self.prompt = torch.tensor(prompt, device=device)
-        self.holes = torch.tensor([i for i, t in enumerate(prompt) if t == hole], device=device)
-        # "{countdown}: {left}={left_value}, {right}={right_value} -> {target}={result}\n"
-        line = [hole, one(":"), one(" "), hole, one("="), hole, one(","), one(" "), hole, one("="), hole, one(" "),
-                one("-"), one(">"), one(" "), hole, one("="), hole, one("\n")]
-        assert len(line) == LINE_TOKENS
-        self.line = torch.tensor(line, device=device)
-        self.line_holes = torch.tensor([i for i, t in enumerate(line) if t == hole], device=device)
-        self.is_name = torch.tensor([f in self.NAME_FIELDS for f in self.LINE_FIELDS], device=device)
-        self.think = torch.tensor([one("<think>"), one("\n")], device=device)
-        self.close = torch.tensor([one("</think>"), one("\n"), one("\n"), one("\\boxed{")], device=device)
-        self.tail = torch.tensor([one("}"), tokenizer.eos_token_id], device=device)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt)
-
-    def programs(self, generator: torch.Generator, batch: int, steps: int) -> torch.Tensor:
-        """`[B, V + 2]` random programs (initial values, start, steps): values uniform mod M as
-        `CanaryTask.program` draws them, one given step count."""
-        modulus = self.task.modulus
-        values = torch.randint(modulus, (batch, self.task.variables + 1), generator=generator, device=self.device)
-        return torch.cat([values, torch.full((batch, 1), steps, device=self.device)], dim=1)
-
-    def tokens(self, programs: torch.Tensor) -> torch.Tensor:
-        """`[B, V + 2]` programs (one step count) -> `[B, T]` token ids, prompt then reference output."""
-        batch, variables, modulus = programs.shape[0], self.task.variables, self.task.modulus
-        steps = int(programs[0, -1])
-        values, result = programs[:, :variables].clone(), programs[:, variables]
-        columns = [torch.arange(steps, 0, -1, device=self.device).expand(batch, steps)]
-        trace = []
-        for _ in range(steps):
-            left, right, target = self.table[result].unbind(-1)
-            left_value = values.gather(1, left[:, None])[:, 0]
-            right_value = values.gather(1, right[:, None])[:, 0]
-            result = (left_value + right_value) % modulus
-            values.scatter_(1, target[:, None], result[:, None])
-            trace.append(torch.stack([left, left_value, right, right_value, target, result], dim=-1))
-        fields = torch.cat([columns[0][..., None], torch.stack(trace, dim=1)], dim=-1)  # [B, n, 7]
-        ids = torch.where(self.is_name, self.name[fields.clamp(max=variables - 1)], self.number[fields])
-        lines = self.line.repeat(batch, steps, 1)  # [B, n, 19]
-        lines[:, :, self.line_holes] = ids
-        prompt = self.prompt.repeat(batch, 1)
-        prompt[:, self.holes] = self.number[programs]
-        fixed = lambda ids: ids.expand(batch, len(ids))  # noqa: E731
-        return torch.cat([prompt, fixed(self.think), lines.flatten(1), fixed(self.close),
-                          self.number[result][:, None], fixed(self.tail)], dim=1)
-
-
-def heldout_programs(task: CanaryTask, size: int, device: torch.device) -> torch.Tensor:
-    """`[size, V + 2]` the held-out split as program rows."""
-    return torch.tensor([[*p.initial, p.start, p.steps] for p in task.heldout(size)], device=device)
-
-
-def heldout_mask(programs: torch.Tensor, heldout: torch.Tensor) -> torch.Tensor:
-    """`[B]` whether each of `programs` `[B, V + 2]` is one of `heldout` `[H, V + 2]`."""
-    return (programs[:, None, :] == heldout[None]).all(dim=-1).any(dim=-1)
 
 
 def output_loss(model, tokens: torch.Tensor, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,10 +167,26 @@ def fit(config: TrainConfig, model, batches: Batches, heldout: torch.Tensor, dev
     validation = batches.programs(torch.Generator(device=device).manual_seed(config.seed + 2), 64,
                                   min(batches.task.max_steps, config.train_max_steps))
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
-    curve, total, tokens_seen = [], config.steps, 0
+    curve, total, tokens_seen = [], config.steps if config.seconds is None else None, 0
     excluded = torch.zeros((), dtype=torch.long, device=device)  # summed on the device: no sync a step
-    model.train()
     start = time.perf_counter()
+
+    def record(step: int, loss: torch.Tensor | None) -> None:
+        """A curve point: the last training batch's loss and the validation programs' loss and share
+        solved (teacher-forced)."""
+        model.eval()
+        with amp, torch.no_grad():
+            val_loss, val_first = output_loss(model, batches.tokens(validation), batches.prompt_len)
+        model.train()
+        point = {"step": step, "seconds": round(time.perf_counter() - start, 1), "tokens": tokens_seen,
+                 "lr": learning_rate(config, max(step - 1, 0), total),
+                 "loss": None if loss is None else round(loss.item(), 5),
+                 "val_loss": round(val_loss.mean().item(), 5),
+                 "val_exact": round((val_first < 0).float().mean().item(), 4)}
+        curve.append(point)
+        print(json.dumps(point), flush=True)
+
+    record(0, None)  # the untrained model
     step = 0
     while total is None or step < total:
         steps = int(torch.randint(config.train_min_steps, config.train_max_steps + 1, (1,), generator=step_counts))
@@ -291,20 +213,12 @@ def fit(config: TrainConfig, model, batches: Batches, heldout: torch.Tensor, dev
                 timed_from = (step, time.perf_counter())
             else:
                 per_step = (time.perf_counter() - timed_from[1]) / (step - timed_from[0])
-                total = max(config.warmup + 1, step + int((config.seconds - (time.perf_counter() - start)) / per_step))
+                left = config.seconds - (time.perf_counter() - start)
+                total = max(config.warmup + 1, step + int(left / per_step))
                 print(f"calibrated: {per_step * 1000:.0f} ms a step -> {total} steps", flush=True)
         if step % LOG_EVERY == 0 or step == total:
-            model.eval()
-            with amp, torch.no_grad():
-                val_loss, val_first = output_loss(model, batches.tokens(validation), batches.prompt_len)
-            model.train()
-            point = {"step": step, "seconds": round(time.perf_counter() - start, 1), "tokens": tokens_seen,
-                     "lr": learning_rate(config, step - 1, total), "loss": round(loss.item(), 5),
-                     "val_loss": round(val_loss.mean().item(), 5),
-                     "val_exact": round((val_first < 0).float().mean().item(), 4)}
-            curve.append(point)
-            print(json.dumps(point), flush=True)
-        if config.steps is None and time.perf_counter() - start > 1.1 * config.seconds:
+            record(step, loss)
+        if config.seconds is not None and time.perf_counter() - start > 1.1 * config.seconds:
             print(f"stopped at step {step} of {total}: past 1.1x the time budget", flush=True)
             break
     sync(device)
@@ -369,7 +283,9 @@ def plot_curve(log: dict, path: Path) -> Path:
     figure = Figure(figsize=(8, 3), layout="constrained")
     FigureCanvasAgg(figure)
     loss, solved = figure.subplots(1, 2)
-    loss.plot(steps, [point["loss"] for point in log["curve"]], label="training batch", alpha=0.6)
+    trained = [point for point in log["curve"] if point["loss"] is not None]
+    loss.plot([point["step"] for point in trained], [point["loss"] for point in trained], label="training batch",
+              alpha=0.6)
     loss.plot(steps, [point["val_loss"] for point in log["curve"]], label="validation")
     loss.set(yscale="log", xlabel="step", ylabel="loss per output token")
     loss.legend(frameon=False)
@@ -398,10 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     defaults = TrainConfig()
     for name, value in asdict(defaults).items():
-        if name == "task":
-            continue
-        kind = int if name == "steps" else type(value)
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value)
+        kind = {"seconds": float, "task": json.loads}.get(name, type(value))
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value,
+                            help="CanaryTask knobs as JSON" if name == "task" else None)
     args = vars(parser.parse_args(argv))
     out, device = args.pop("out"), torch.device(args.pop("device"))
     if args.pop("replot"):
