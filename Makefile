@@ -1,8 +1,11 @@
 # Set-up and main jobs. `make demo` and `make test` create the virtual environment themselves.
 PYTHON ?= python3
 VENV ?= .venv
-PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# The project's own environment, created on first use. `make table1 PY=python` runs the main jobs with
+# an environment of your own instead (the project installed in it), and creates nothing.
+PY ?= $(VENV)/bin/python
+ENV := $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 
 # Machines without an NVIDIA driver get torch 2.13.0, a small CPU build where pip finds one locally;
 # GPU machines get pip's default (CUDA) build. Override with `make TORCH=... test`.
@@ -11,6 +14,10 @@ TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || e
 TRANSFORMERS ?= transformers==5.17.0
 
 RUNS ?= results/runs
+# Table 1's baselines: lf_repo (the LongFlow authors' implementations, the paper's numbers) or paper
+# (each baseline as its own paper defines it). ARGS: more overrides, e.g. ARGS="limit=8".
+VARIANT ?= lf_repo
+ARGS ?=
 
 .PHONY: install test test-fast demo table1 table fig1 figures lint clean
 
@@ -23,34 +30,35 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
-test: $(STAMP)  ## the whole suite (CPU; Triton kernels through its interpreter; GPU tests skip)
+test: $(ENV)  ## the whole suite (CPU; Triton kernels through its interpreter; GPU tests skip)
 	$(PY) -m pytest -q
 
-test-fast: $(STAMP)  ## without the end-to-end runs marked slow
+test-fast: $(ENV)  ## without the end-to-end runs marked slow
 	$(PY) -m pytest -q -m "not slow"
 
-demo: $(STAMP)  ## the canary model on 16 canary items, CPU: every method at three KV budgets and the full cache; tables, plots
+demo: $(ENV)  ## the canary model on 16 canary items, CPU: every method at three KV budgets and the full cache; tables, plots
 	$(PY) -m evals.run -m experiment=demo
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_kv_slots --metric peak_kv_slots
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_tokens_per_s --metric tokens_per_second
 	$(PY) -m evals.figures --runs results/demo/runs --out results/demo
 
-table1: $(STAMP)  ## the paper's Table 1: R1-Distill-Llama-8B, budget 2400, every method, eight datasets (GPU + hub)
-	$(PY) -m evals.run -m experiment=table1
+table1: $(ENV)  ## the paper's Table 1: R1-Distill-Llama-8B, budget 2400, every method, eight datasets (GPU + hub)
+	$(PY) -m evals.run -m experiment=table1 method.variant=$(VARIANT) results_dir=$(RUNS) $(ARGS)
 	$(PY) -m evals.table --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
+	$(PY) -m evals.figures --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
 
-table: $(STAMP)  ## a table of whatever runs exist
+table: $(ENV)  ## a table of whatever runs exist
 	$(PY) -m evals.table --runs $(RUNS) --out results/table
 
-figures: $(STAMP)  ## budget-sweep figures of whatever runs exist
+figures: $(ENV)  ## budget-sweep figures of whatever runs exist
 	$(PY) -m evals.figures --runs $(RUNS) --out results
 
-fig1: $(STAMP)  ## decode-attention microbenchmark (the paper's Figure 1); needs a CUDA GPU
+fig1: $(ENV)  ## decode-attention microbenchmark (the paper's Figure 1); needs a CUDA GPU
 	$(PY) -m evals.bench_attention --out results
 
-lint: $(STAMP)
-	$(VENV)/bin/ruff check .
+lint: $(ENV)
+	$(PY) -m ruff check .
 
 clean:
 	rm -rf $(VENV) results/demo/runs .pytest_cache

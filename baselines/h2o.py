@@ -1,7 +1,8 @@
 """H2O: keep the recent tokens and the "heavy hitters", the tokens that received the most attention.
 
 Zhang et al. 2023, "H2O: Heavy-Hitter Oracle for Efficient Generative Inference of Large Language
-Models", NeurIPS 2023, arXiv:2306.14048 (official code: FMInference/H2O).
+Models", NeurIPS 2023, arXiv:2306.14048 (official code: FMInference/H2O). Both variants and every
+deviation: docs/methods.md, "H2O".
 
 Variants (`variant`):
   - `paper`: score_j = the attention slot j has received, accumulated over every query so far,
@@ -20,6 +21,9 @@ Deviations from the paper, and why:
     that counts the new token: every query attends to the last `recent` positions (itself included)
     and `heavy` heavy hitters, heavy + recent = budget. The eviction at step t therefore protects the
     newest recent - 1 tokens, so that the recent window is whole again once token t + 1 is written.
+    To match a run of heavy = recent = h there (the LongFlow authors' `H2OCache(hh_size=h,
+    recent_size=h)` included), use budget 2h + 1 with heavy_ratio 0.5: heavy h, recent h + 1, and
+    the query sees the same 2h + 1 tokens (docs/methods.md, "H2O").
   - Prompt longer than the budget: the same rule on the prompt's accumulated attention (column sums
     of the causal prompt attention), keeping the last recent - 1 prompt tokens and the top heavy of
     the rest (budget - 1 in all, so that the first decode token fits). `lf_repo` uses those column

@@ -1,26 +1,28 @@
 """R-KV: redundancy-aware KV-cache compression for reasoning models.
 
 Reference: Cai et al. 2025, "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models"
-(arXiv 2505.24133; official code github.com/Zefan-Cai/R-KV). Spec: METHODS.md, section R-KV.
+(arXiv 2505.24133; official code github.com/Zefan-Cai/R-KV). What each variant computes, and why:
+docs/methods.md, "R-KV".
 
 R-KV is an interval method. The cache grows until it is full, then one compression keeps the
-observation window (the newest tokens, whose queries were recorded) plus the best-scoring older
-tokens, where the score trades importance (attention of the window's queries) against redundancy
-(cosine similarity of a key to the other keys):
+newest tokens plus the best-scoring older tokens, where the score trades importance (attention of
+the newest queries) against redundancy (similarity of a key to the other keys):
 
     Z_j = lam * I_j - (1 - lam) * R_j
 
 Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, W window queries,
-P protected newest tokens, D head dim.
+P protected newest tokens, N scored keys, D head dim.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
 import torch.nn.functional as F
 
+from longflow.attention import prefill_attention
 from longflow.policy import CacheSpec, KVPolicy
 
 VARIANTS = ("paper", "lf_repo")
@@ -39,21 +41,18 @@ def rkv_scores(
     kernel: int,
     lam: float,
     threshold: float,
-    variant: str = "paper",
 ) -> torch.Tensor:
-    """R-KV scores of the tokens held in slots that are in position order (oldest first).
+    """R-KV scores (`paper` variant) of the tokens held in slots that are in position order.
 
     The last W slots are the tokens of the W window queries; the last `protect` slots (P >= W)
     are always kept. Importance uses the attention of the window's queries over the keys before
     the window (so no causal mask is needed); redundancy uses every held key.
 
-    paper: logits of a KV head = max over its G query heads; I = maxpool(mean over the W queries
-      of softmax over the keys before the window); S = cosine similarity of the held keys with a
-      zero diagonal, and in each row i the most recent j with S_ij > threshold zeroed (the newest
-      duplicate survives); R = softmax over all held j (the window included, as the official
-      code, which then drops the window) of the mean over held rows i of S_ij.
-    lf_repo: keys divided by their squared norm, no diagonal zeroing, no threshold; importance
-      summed over the W queries; Z averaged over the KV heads (one selection per layer).
+    Logits of a KV head = max over its G query heads; I = maxpool(mean over the W queries of
+    softmax over the keys before the window); S = cosine similarity of the held keys with a zero
+    diagonal, and in each row i the most recent j with S_ij > threshold zeroed (the newest
+    duplicate survives); R = softmax over all held j (the window included, as the official code,
+    which then drops the window) of the mean over held rows i of S_ij.
 
     Args:
         queries: `[B, Hq, W, D]` window queries (after RoPE); query_valid: `[B, W]` bool.
@@ -78,9 +77,7 @@ def rkv_scores(
     logits = logits.masked_fill(~older[:, :, None, :], -inf)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row without older keys gives NaN -> 0
     probs = probs * query_valid[:, None, :, None]
-    importance = probs.sum(dim=2)  # [B, Hkv, S]
-    if variant == "paper":
-        importance = importance / query_valid.sum(dim=-1).clamp(min=1)[:, None, None]
+    importance = probs.sum(dim=2) / query_valid.sum(dim=-1).clamp(min=1)[:, None, None]  # [B, Hkv, S]
     # Max-pool over neighbouring held tokens; -inf around the older keys, as the official pool over
     # keys[:-w] pads with -inf.
     importance = importance.masked_fill(~older, -inf)
@@ -88,26 +85,67 @@ def rkv_scores(
                               padding=kernel // 2).view(batch, kv_heads, slots)
 
     # Redundancy.
-    norm = keys.norm(dim=-1, keepdim=True)
-    unit = keys / (norm + 1e-8) if variant == "paper" else keys / norm.square().clamp(min=1e-12)
+    unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
     similarity = torch.matmul(unit, unit.transpose(-1, -2))  # [B, Hkv, S, S]
     similarity.masked_fill_(~(held[..., :, None] & held[..., None, :]), 0.0)
-    if variant == "paper":
-        similarity.diagonal(dim1=-2, dim2=-1).zero_()
-        duplicate = similarity > threshold
-        # The most recent duplicate j of row i (largest slot = newest position) is not counted.
-        newest = slots - 1 - duplicate.flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)  # [B, Hkv, S, 1]
-        retain = torch.zeros_like(duplicate).scatter_(-1, newest, duplicate.any(dim=-1, keepdim=True))
-        similarity.masked_fill_(retain, 0.0)
+    similarity.diagonal(dim1=-2, dim2=-1).zero_()
+    duplicate = similarity > threshold
+    # The most recent duplicate j of row i (largest slot = newest position) is not counted.
+    newest = slots - 1 - duplicate.flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)  # [B, Hkv, S, 1]
+    retain = torch.zeros_like(duplicate).scatter_(-1, newest, duplicate.any(dim=-1, keepdim=True))
+    similarity.masked_fill_(retain, 0.0)
     mean = similarity.sum(dim=-2) / held.sum(dim=-1, keepdim=True).clamp(min=1)  # mean over held rows i
     redundancy = torch.softmax(mean.masked_fill(~held, -inf), dim=-1).nan_to_num(0.0)  # over held j
 
     scores = lam * importance - (1.0 - lam) * redundancy
-    if variant == "lf_repo":
-        # One selection per layer: candidates are the same in every head.
-        scores = scores.masked_fill(~candidates, 0.0).mean(dim=1, keepdim=True).expand_as(scores)
     scores = scores.masked_fill(~candidates, -inf)
     return torch.where(held & (index >= slots - protect), inf, scores)
+
+
+def lf_repo_scores(
+    queries: torch.Tensor,
+    query_valid: torch.Tensor,
+    keys: torch.Tensor,
+    held: torch.Tensor,
+    *,
+    kernel: int,
+    lam: float,
+) -> torch.Tensor:
+    """R-KV scores as the LongFlow authors compute them (`lf_repo`), one score per key and row.
+
+    The keys are scored in CACHE order, which is what their max-pool runs along.
+      importance: per query head (each KV head serves its G query heads), softmax over the
+        scored keys of q.k / sqrt(D), summed over the window queries, max-pooled along the cache
+        order (-inf beyond the ends), then averaged over the query heads;
+      redundancy: each key divided by its squared norm, the Gram matrix of those averaged over
+        each row, softmax over the keys, then averaged over the KV heads.
+    No causal mask: every scored key is older than every window query.
+
+    Args:
+        queries: `[R, Hq, W, D]` window queries (after RoPE); query_valid: `[R, W]` bool.
+        keys: `[R, Hkv, N, D]` scored keys in cache order; held: `[R, N]` bool (False = padding).
+
+    Returns:
+        `[R, N]` float32 Z, -inf where not held.
+    """
+    rows, q_heads, window, head_dim = queries.shape
+    kv_heads, count = keys.shape[1], keys.shape[2]
+    keys = keys.float()
+    outside = ~held[:, None, :]  # [R, 1, N]
+    grouped = queries.float().reshape(rows, kv_heads, q_heads // kv_heads * window, head_dim)
+    # Divided by sqrt(D), as their code does, whatever the model's own softmax scale.
+    logits = torch.matmul(grouped, keys.transpose(-1, -2)) / math.sqrt(head_dim)  # [R, Hkv, G*W, N]
+    logits = logits.view(rows, q_heads, window, count).masked_fill(outside[:, :, None], float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0) * query_valid[:, None, :, None]
+    importance = probs.sum(dim=2).masked_fill(outside, float("-inf"))  # [R, Hq, N]
+    importance = F.max_pool1d(importance, kernel, stride=1, padding=kernel // 2).mean(dim=1)  # [R, N]
+
+    unit = (keys / keys.square().sum(dim=-1, keepdim=True)).masked_fill(outside[..., None], 0.0)
+    similarity = torch.matmul(unit, unit.transpose(-1, -2))  # [R, Hkv, N, N]
+    mean = similarity.sum(dim=-1) / held.sum(dim=-1).clamp(min=1)[:, None, None]  # [R, Hkv, N]
+    redundancy = torch.softmax(mean.masked_fill(outside, float("-inf")), dim=-1).mean(dim=1)  # [R, N]
+    scores = lam * importance - (1.0 - lam) * redundancy
+    return scores.masked_fill(~held, float("-inf"))
 
 
 class RKVPolicy(KVPolicy):
@@ -116,16 +154,20 @@ class RKVPolicy(KVPolicy):
     Variants (`variant`):
       - "paper" (official code): per KV head (`shared_selection = False`); the window is the last
         `window` (8) queries, `kernel` 7, `lam` 0.1, duplicate `threshold` 0.5; a compression keeps
-        top(target - window) by Z plus the window.
-      - "lf_repo" (the LongFlow authors' baseline): keys divided by their squared norm, no diagonal
-        zeroing, threshold or duplicate retention; one shared selection per layer (Z averaged over
-        the KV heads); importance summed over `lf_queries` (9 = 8 + current) queries; pool kernel
-        `lf_kernel` (5); the `lf_protect` (128) newest tokens are all kept; a compression keeps
-        target - `lf_margin` (4) tokens in all. What METHODS.md leaves open is taken from the
-        paper variant: max over the group for the logits, softmax over the keys before the
-        window's queries, max-pooling, mean over rows then softmax for the redundancy.
+        top(target - window) by Z plus the window, in position order.
+      - "lf_repo" (the LongFlow authors' baseline, their `RKVCache`): `lf_repo_scores` (per-query-
+        head importance over `lf_queries` (9) queries, pool kernel `lf_kernel` (5), keys divided
+        by their squared norm, one selection per layer); only the keys older than the
+        `lf_protect` (128) newest are scored, and those newest are all kept. The cut happens
+        INSIDE the decode step, before attention, when the stored token makes the row hold more
+        than budget - `lf_margin` (4) tokens, with the step's own query among the window; it
+        keeps budget - lf_margin - 2 lf_protect scored tokens, in score order, then the
+        lf_protect newest, and slot order stays the authors' cache order (their max-pool runs
+        along it). A prompt of more than budget - lf_margin tokens is cut the same way at
+        prefill, with its 8 newest queries. `window`, `kernel`, `threshold`, `compress_every` and
+        `budget_mode` belong to the paper variant and are ignored.
 
-    Budget (`budget_mode`):
+    Budget. `paper`, by `budget_mode`:
       - "cap" (default): `budget` is a hard cap. Capacity = budget; the cache fills to the budget
         and is cut to target = budget - compress_every, so it refills to exactly the budget in
         `compress_every` steps.
@@ -134,21 +176,28 @@ class RKVPolicy(KVPolicy):
         (the official cache reaches budget + 127 between steps). A cut happens every
         compress_every - 1 steps here, since the step that fills the capacity is followed by the
         cut, where the official code appends the 128th token and cuts in the same step.
+    `lf_repo`: the authors' own accounting, under the cap. A query attends to at most budget -
+    lf_margin tokens; the token stored in a cutting step needs one slot more before the cut, so the
+    capacity is budget - lf_margin + 1 <= budget. The same `budget` as their `cache_budget`
+    reproduces their runs.
 
-    How it maps onto the slot buffers: a decode step (static, CUDA-graph safe) writes the new
-    token into the first free slot, records its query into a per-layer ring of the last W queries
-    (`[B, Hq, W, D]`, slot = position mod W) and attends. Prompt lengths are known on the host, so
-    `after_step` knows when each row is full without reading the device, and compresses exactly
-    those rows (all of them when they are in step): it scores the row's slots, keeps the top
-    ones, and compacts them into the low slots in position order, so the free slots are the high
-    ones, slot order is position order, and the last W slots are the window.
+    How it maps onto the slot buffers: a decode step writes the new token into the first free
+    slot, records its query into a per-layer ring of the last W queries (`[B, Hq, W, D]`, slot =
+    position mod W) and attends. Held slots are always the low ones. Prompt lengths are known on
+    the host, so the host knows when each row is full without reading the device:
+      - paper: `after_step` compresses the full rows (all of them when they are in step): it
+        scores the row's slots, keeps the top ones, and compacts them into the low slots in
+        position order, so the last W slots are the window;
+      - lf_repo: `before_step` names the rows that cut in the coming step, which the engine then
+        runs eagerly (every lf_protect + 1 steps a row); every other step stays static and
+        CUDA-graph safe.
 
-    Prompt longer than the budget: a row whose prompt exceeds capacity - 1 (cap) or the target
-    (target, as the official code) is compressed at prefill by the same score, with its last W
-    prompt queries as the window, to the post-compression size (top(target - W) + W for the paper
-    variant). Rows are decided one by one, so a row never depends on its batch-mates.
+    Prompt longer than the budget (paper): a row whose prompt exceeds capacity - 1 (cap) or the
+    target (target, as the official code) is compressed at prefill by the same score, with its
+    last W prompt queries as the window, to the post-compression size (top(target - W) + W). Rows
+    are decided one by one, so a row never depends on its batch-mates.
 
-    Deviations from the official code (where METHODS.md and it differ, METHODS.md rules):
+    Deviations from the official code, `paper` (docs/methods.md, "R-KV"):
       - In a row i with no S_ij > threshold the official code zeroes S_i0 (the max over an
         all-zero index tensor is 0); here nothing is zeroed in such a row.
       - "Most recent duplicate" and the max-pool neighbours are by position. The official code
@@ -158,6 +207,9 @@ class RKVPolicy(KVPolicy):
         when its own slots are full, which gives the same period per row.
       - Attention of the decode step uses all held slots; the official step that triggers a cut
         attends to the uncut cache (budget + 128) and cuts afterwards.
+    Deviations from the authors' runs, `lf_repo`: scores in float32 (theirs cast the importance
+    to the model dtype); each row is cut when its own cache is full and only real tokens are held,
+    where their batched cache cuts all rows together and counts, scores and keeps left padding.
     """
 
     name = "rkv"
@@ -188,37 +240,34 @@ class RKVPolicy(KVPolicy):
             raise ValueError(f"rkv lam must be in [0, 1], got {lam}")
         if compress_every < 1:
             raise ValueError(f"rkv compress_every must be >= 1, got {compress_every}")
-        paper = variant == "paper"
-        protected = window if paper else lf_protect
-        margin = 0 if paper else lf_margin
-        if budget_mode == "cap" and budget - compress_every - margin <= protected:
-            # A budget below the interval (the demo's, a small sweep point) could never be cut; the
-            # interval, and lf_repo's protected tail that equals it, shrink to a quarter of the budget.
-            shrunk = max(2, budget // 4)
-            warnings.warn(f"rkv: budget {budget} leaves no room for compress_every={compress_every}; "
-                          f"using {shrunk}", stacklevel=2)
-            compress_every = shrunk
-            lf_protect = max(min(lf_protect, shrunk), lf_queries)
         self.variant = variant
         self.budget_mode = budget_mode
         self.lam = lam
         self.threshold = threshold
-        self.compress_every = compress_every
-        self.queries_held = window if paper else lf_queries  # W
-        self.kernel = kernel if paper else lf_kernel
-        self.protect = window if paper else lf_protect  # P
-        self.shared_selection = not paper
-        if self.queries_held < 1 or self.kernel < 1 or self.kernel % 2 == 0:
-            raise ValueError(
-                f"rkv needs a window >= 1 and an odd pool kernel, got {self.queries_held}, {self.kernel}"
-            )
-        if self.protect < self.queries_held:
-            raise ValueError(f"rkv lf_protect ({lf_protect}) must be >= lf_queries ({lf_queries})")
-        if budget_mode == "cap":
-            self.slots, target = budget, budget - compress_every
+        self.cutting: list[int] = []  # lf_repo: rows cut inside the coming step
+        if variant == "paper":
+            self._paper_sizes(budget, window, kernel, compress_every, budget_mode)
         else:
-            self.slots, target = budget + compress_every - 1, budget
-        self.keep_after = target if paper else target - lf_margin  # tokens a compression keeps
+            self._lf_repo_sizes(budget, lf_queries, lf_kernel, lf_protect, lf_margin)
+
+    def _paper_sizes(self, budget: int, window: int, kernel: int, compress_every: int, budget_mode: str) -> None:
+        if budget_mode == "cap" and budget - compress_every <= window:
+            # A budget below the interval (the demo's, a small sweep point) could never be cut; the
+            # interval shrinks to a quarter of the budget.
+            shrunk = max(2, budget // 4)
+            warnings.warn(f"rkv: budget {budget} leaves no room for compress_every={compress_every}; "
+                          f"using {shrunk}", stacklevel=3)
+            compress_every = shrunk
+        self.compress_every = compress_every
+        self.queries_held = window  # W
+        self.kernel = kernel
+        self.protect = window  # P
+        self.shared_selection = False
+        self._check_window()
+        if budget_mode == "cap":
+            self.slots, self.keep_after = budget, budget - compress_every
+        else:
+            self.slots, self.keep_after = budget + compress_every - 1, budget
         if self.keep_after >= self.slots:
             raise ValueError(f"rkv: a compression must free slots (budget_mode={budget_mode} needs "
                              f"compress_every >= 2, got {compress_every})")
@@ -226,7 +275,38 @@ class RKVPolicy(KVPolicy):
             raise ValueError(
                 f"rkv budget {budget} too small: a compression keeps {self.keep_after} tokens, which must "
                 f"exceed the {self.protect} protected ones (budget_mode={budget_mode}, "
-                f"compress_every={compress_every}, variant={variant})"
+                f"compress_every={compress_every}, variant=paper)"
+            )
+
+    def _lf_repo_sizes(self, budget: int, queries: int, kernel: int, protect: int, margin: int) -> None:
+        if margin < 1:
+            raise ValueError(f"rkv lf_margin must be >= 1 (the slot a cutting step stores into), got {margin}")
+        if protect < 1:
+            raise ValueError(f"rkv lf_protect must be >= 1, got {protect}")
+        if budget - margin - 2 * protect < 1:
+            # Their code needs budget > 2 * 128 + 4; a smaller budget (the demo's, a small sweep
+            # point) keeps the schedule with a protected tail of a quarter of the budget.
+            shrunk = max(1, (budget - margin) // 4)
+            warnings.warn(f"rkv: budget {budget} leaves no room for lf_protect={protect}; using {shrunk}",
+                          stacklevel=3)
+            protect = shrunk
+        self.queries_held = queries  # W
+        self.kernel = kernel
+        self.protect = protect  # P
+        self.shared_selection = True
+        self._check_window()
+        self.hold_limit = budget - margin  # most tokens a query attends to
+        self.slots = self.hold_limit + 1
+        self.keep_after = self.hold_limit - protect  # tokens a cut keeps
+        self.keep_scored = self.hold_limit - 2 * protect  # of which chosen by score
+        if self.keep_scored < 1:
+            raise ValueError(f"rkv budget {budget} too small for lf_repo: a cut keeps {self.keep_scored} "
+                             f"scored tokens (budget - lf_margin - 2 * lf_protect)")
+
+    def _check_window(self) -> None:
+        if self.queries_held < 1 or self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(
+                f"rkv needs a window >= 1 and an odd pool kernel, got {self.queries_held}, {self.kernel}"
             )
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -236,6 +316,8 @@ class RKVPolicy(KVPolicy):
 
     def prompt_cut(self, length: int) -> bool:
         """Whether a row's prompt of `length` real tokens is compressed at prefill."""
+        if self.variant == "lf_repo":
+            return length > self.hold_limit
         limit = self.slots - 1 if self.budget_mode == "cap" else self.keep_after
         return length > limit
 
@@ -250,6 +332,7 @@ class RKVPolicy(KVPolicy):
             for _ in range(spec.layers)
         ]
         self.scale = spec.head_dim ** -0.5
+        self.cutting = []
 
     def begin_prefill(self, pad: torch.Tensor, positions: torch.Tensor) -> None:
         super().begin_prefill(pad, positions)
@@ -261,8 +344,19 @@ class RKVPolicy(KVPolicy):
         # Host count of the slots each row holds (the same in every layer and head).
         self.held = [self.keep_after if self.prompt_cut(n) else n for n in self.prompt_lengths]
 
+    def before_step(self, step: int) -> bool:
+        """lf_repo: the rows whose token of this step would exceed budget - lf_margin are cut in it."""
+        if self.variant == "lf_repo":
+            self.cutting = [row for row, n in enumerate(self.held) if n + 1 > self.hold_limit]
+        return bool(self.cutting)
+
     def after_step(self, step: int) -> None:
-        """Every row stored one token; cut the rows whose slots are now all held."""
+        """Every row stored one token. paper: cut the rows whose slots are now all held."""
+        if self.variant == "lf_repo":
+            cut = set(self.cutting)
+            self.held = [self.keep_after if row in cut else n + 1 for row, n in enumerate(self.held)]
+            self.cutting = []
+            return
         self.held = [n + 1 for n in self.held]
         full = [row for row, n in enumerate(self.held) if n >= self.slots]
         if full:
@@ -276,6 +370,10 @@ class RKVPolicy(KVPolicy):
         if self.prefilling:
             self.scale = scale
             self._record_prompt_queries(layer, q)
+            if self.variant == "lf_repo":
+                out = prefill_attention(q, k, v, self.pad, scale)
+                self._store_prompt_lf_repo(layer, q, k, v)
+                return out.transpose(1, 2)
             if any(self.prompt_cut(n) for n in self.prompt_lengths):
                 self.prompt_scores = self._prompt_scores(q, k, scale)
         return super().attend(layer, q, k, v, scale)
@@ -325,7 +423,7 @@ class RKVPolicy(KVPolicy):
             rkv_scores(
                 queries[i:i + step], query_valid[i:i + step], keys[i:i + step], held[i:i + step], scale,
                 protect=min(self.protect, slots), kernel=self.kernel, lam=self.lam,
-                threshold=self.threshold, variant=self.variant,
+                threshold=self.threshold,
             )
             for i in range(0, keys.shape[0], step)
         ])
@@ -333,11 +431,14 @@ class RKVPolicy(KVPolicy):
     # ---- decode ------------------------------------------------------------------------------
 
     def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """Static step: record the query, attend over the held slots, point at the first free slot."""
+        """Record the query, attend over the held slots, point at the first free slot: static, except
+        in the lf_repo steps named by `before_step`, which cut first."""
         batch, q_heads, head_dim = q.shape
         ring = self.rings[layer]
         slot = torch.remainder(self.positions, self.queries_held)[:, None, None, None]
         ring.scatter_(2, slot.expand(batch, q_heads, 1, head_dim), q.unsqueeze(2).to(ring.dtype))
+        if self.cutting:  # lf_repo, an eager step: cut before attention, with this query
+            self._cut_in_step(layer)
         slots = self.layers[layer]
         group = q_heads // slots.keys.shape[1]
         mask = slots.valid.repeat_interleave(group, dim=1).unsqueeze(2)  # [B, Hq, 1, S]
@@ -398,3 +499,87 @@ class RKVPolicy(KVPolicy):
             else:
                 target.index_copy_(0, rows, tensor)
         self.next_slot[layer].copy_(self.first_free_slot(layer))
+
+    # ---- lf_repo -----------------------------------------------------------------------------
+
+    def _lf_repo_chunked(self, queries, query_valid, keys, held) -> torch.Tensor:
+        """`lf_repo_scores` over the leading dimension in chunks of at most `SCORE_BYTES` of N x N work."""
+        kv_heads, count = keys.shape[1], keys.shape[2]
+        step = max(1, SCORE_BYTES // (kv_heads * count ** 2 * 16))
+        return torch.cat([
+            lf_repo_scores(queries[i:i + step], query_valid[i:i + step], keys[i:i + step], held[i:i + step],
+                           kernel=self.kernel, lam=self.lam)
+            for i in range(0, keys.shape[0], step)
+        ])
+
+    def _store_prompt_lf_repo(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Stores each row's prompt in the low slots: whole, or, for a row of more than budget -
+        lf_margin tokens, the top `keep_scored` of the tokens before the `protect` newest (by the
+        score of its 8 newest queries, the authors' prefill window), in score order, then those newest.
+
+        q: `[B, Hq, L, D]`; k, v: `[B, Hkv, L, D]` over the left-padded prompt.
+        """
+        slots, length = self.layers[layer], k.shape[2]
+        device = k.device
+        counts = torch.tensor([self.keep_after if self.prompt_cut(n) else n for n in self.prompt_lengths],
+                              device=device)
+        held = int(counts.max())
+        column = torch.arange(held, device=device)
+        order = (length - counts[:, None] + column).clamp(max=length - 1)  # [B, held]: the whole prompt
+        cut = [row for row, n in enumerate(self.prompt_lengths) if self.prompt_cut(n)]
+        if cut:
+            rows = torch.tensor(cut, device=device)
+            scored, window = length - self.protect, self.queries_held - 1
+            pad = self.pad.index_select(0, rows)
+            scores = self._lf_repo_chunked(q.index_select(0, rows)[:, :, length - window:], pad[:, length - window:],
+                                           k.index_select(0, rows)[:, :, :scored], pad[:, :scored])
+            chosen = scores.topk(self.keep_scored, dim=-1).indices  # by score, highest first
+            newest = torch.arange(scored, length, device=device).expand(len(cut), -1)
+            order[rows, :self.keep_after] = torch.cat([chosen, newest], dim=-1)
+        kept = column < counts[:, None]  # [B, held]
+        gather = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+        slots.keys[:, :, :held] = k.gather(2, gather).masked_fill(~kept[:, None, :, None], 0.0)
+        slots.values[:, :, :held] = v.gather(2, gather).masked_fill(~kept[:, None, :, None], 0.0)
+        slots.valid[:, :, :held] = kept[:, None, :]
+        slots.positions[:, :, :held] = self.prompt_positions.gather(1, order).masked_fill(~kept, -1)[:, None, :]
+        self.next_slot[layer].copy_(self.first_free_slot(layer))
+
+    def _cut_in_step(self, layer: int) -> None:
+        """Cuts the rows of `self.cutting` (every slot held, the step's token stored last) to
+        `keep_after` tokens: the top `keep_scored` of the slots before the `protect` newest, scored
+        with the ring's W queries (the step's own the newest), in score order, then the newest."""
+        slots, window = self.layers[layer], self.queries_held
+        device = slots.keys.device
+        rows = torch.tensor(self.cutting, device=device)
+        self.record_peak([layer])  # the rows are full: their peak, before the cut frees slots
+        # The ring in time order: slot (position + 1 + i) mod W holds position - W + 1 + i.
+        offsets = torch.arange(window, device=device)
+        newest = self.positions.index_select(0, rows)[:, None]  # [R, 1]
+        ring = self.rings[layer].index_select(0, rows)
+        order_q = torch.remainder(newest + 1 + offsets, window)[:, None, :, None].expand(-1, ring.shape[1], -1,
+                                                                                            ring.shape[3])
+        queries = ring.gather(2, order_q)
+        query_valid = newest - window + 1 + offsets >= 0
+        scored = self.slots - self.protect
+        keys = slots.keys.index_select(0, rows)[:, :, :scored]
+        every = torch.ones(len(self.cutting), scored, dtype=torch.bool, device=device)
+        chosen = self._lf_repo_chunked(queries, query_valid, keys, every).topk(self.keep_scored, dim=-1).indices
+        tail = torch.arange(scored, self.slots, device=device).expand(len(self.cutting), -1)
+        self._place(layer, rows, torch.cat([chosen, tail], dim=-1))
+
+    def _place(self, layer: int, rows: torch.Tensor, order: torch.Tensor) -> None:
+        """Rows `rows` keep the slots `order` (`[n, k]`), moved to slots 0..k-1 in that order; the
+        rest are freed. One gather within the static buffers."""
+        slots = self.layers[layer]
+        count = order.shape[-1]
+        kept = torch.arange(slots.slots, device=order.device) < count  # [S]
+        index = torch.cat([order, order[:, :1].expand(-1, slots.slots - count)], dim=-1)  # [n, S]
+        gather = index[:, None, :, None].expand(-1, slots.keys.shape[1], -1, slots.keys.shape[3])
+        for name in ("keys", "values"):
+            buffer = getattr(slots, name)
+            moved = buffer.index_select(0, rows).gather(2, gather).masked_fill(~kept[:, None], 0.0)
+            buffer.index_copy_(0, rows, moved)
+        heads = slots.keys.shape[1]
+        positions = slots.positions.index_select(0, rows).gather(2, index[:, None, :].expand(-1, heads, -1))
+        slots.positions.index_copy_(0, rows, positions.masked_fill(~kept, -1))
+        slots.valid.index_copy_(0, rows, kept.expand(len(rows), heads, -1).clone())

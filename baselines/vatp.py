@@ -10,12 +10,13 @@ Variants (`variant`):
     tokens and the top `heavy` by score (heavy = recent = (budget - n_sink) / 2 by default).
   - `lf_repo` (the LongFlow authors' baseline): score_j = (current-step attention summed over the
     queries, mean over the query heads) * (mean over the KV heads of ||v_j||_2); one selection
-    shared by the heads of a layer; no sink protection (`n_sink` is ignored). METHODS.md names no
-    other split, so heavy and recent are as in the paper variant without sinks (budget / 2 each).
+    shared by the heads of a layer; no sink protection (`n_sink` is ignored). Heavy and recent
+    split the budget as H2O's (their cache takes hh_size and recent_size as H2O's does).
 
 Everything else (one eviction per step, budget accounting with the new token counted, prompt
 compression by the same rule on the prompt's column-summed attention, float32 scores) is H2O's,
-inherited from `baselines.h2o.H2OPolicy`, whose docstring states those deviations. Beyond them:
+inherited from `baselines.h2o.H2OPolicy`, whose docstring states those deviations; as there, the
+authors' hh_size = recent_size = h is budget 2h + 1 here (docs/methods.md, "VATP"). Beyond them:
   - The value norms are taken of the values as cached (the model dtype), accumulated in float32,
     and computed once per token: when its value is written (prefill, or the decode step that writes
     its slot), into a static `[B, Hkv, S]` buffer that moves with the slot like H2O's scores, so a

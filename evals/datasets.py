@@ -142,11 +142,17 @@ def load(spec: DatasetSpec, limit: int | None = None) -> list[Item]:
         source, rows, fields = str(path), _jsonl_rows(path), spec.fields
     else:
         source, rows, fields = f"hub dataset {spec.hub_id}", _hub_rows(spec), spec.hub_fields
-    items = []
+    items, rows_of = [], {}
     for position, row in enumerate(rows):
         if limit is not None and position >= limit:
             break
-        items.append(_item(spec, fields, row, f"{source}: row {position + 1}", position))
+        item = _item(spec, fields, row, f"{source}: row {position + 1}", position)
+        if item.id in rows_of:  # records are keyed by id: a second item would never be asked
+            raise UserError(f"{source}: rows {rows_of[item.id]} and {position + 1} have the same id {item.id!r}")
+        rows_of[item.id] = position + 1
+        items.append(item)
+    if not items:
+        raise UserError(f"{source} holds no items")
     return items
 
 
@@ -187,17 +193,21 @@ def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
         raise UserError(f"data file not found: {path} (set dataset.root or LONGFLOW_DATA_ROOT to the folder "
                         f"that holds it)")
     rows = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise UserError(f"{path}: line {number}: malformed JSON ({error.msg})") from None
-            if not isinstance(row, dict):
-                raise UserError(f"{path}: line {number}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[:error.start].count(b"\n") + 1
+        raise UserError(f"{path}: line {line}: not UTF-8 text ({error.reason}); save the file as UTF-8") from None
+    for number, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path}: line {number}: malformed JSON ({error.msg})") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{path}: line {number}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
     return rows
 
 
@@ -239,6 +249,8 @@ def _item(spec: DatasetSpec, fields: dict[str, str | None], row: Mapping[str, An
     item_id = str(position) if fields["id"] is None else value("id")
     where = f"{where} (id {item_id})"
     question = value("question")
+    if not question.strip():
+        raise UserError(f"{where}: the question is empty")
     if spec.kind == "math":
         return Item(id=item_id, question=question, gold=_gold(spec, value("gold"), where))
     if spec.source != "hub" or spec.choice_fields is None:

@@ -1,4 +1,4 @@
-"""Figures from run directories: the paper's budget sweep, and speed per budget.
+"""Figures from run directories: the paper's budget sweep, speed per budget, teacher-forced fidelity.
 
     python -m evals.figures [--runs results/runs] [--out results/] [--model M ...] [--dataset D ...]
                             [--generation G]
@@ -7,8 +7,10 @@ With several KV budgets: `accuracy_vs_budget.png` (one panel per model and datas
 method, FullKV as a dashed horizontal line), `accuracy_by_method.png` (the same curves, one panel per
 method, each against the FullKV line) and `throughput_vs_budget.png` (tokens/s and decode-step
 latency p50 per budget, means over the datasets). With one budget: `methods.png`, bars of accuracy
-and tokens/s per method. Hollow markers are incomplete runs. Runs are read, filtered and
-deduplicated (newest wins) as for `evals.table`.
+and tokens/s per method. Hollow markers are incomplete runs. When runs have teacher-forced records
+(`fidelity=true`), also `fidelity_vs_step.png`: the running agreement with the full cache's greedy
+token and the running KL(full || method) per output step, a line per method, a row per (model,
+dataset, budget). Runs are read, filtered and deduplicated (newest wins) as for `evals.table`.
 
 Figures are drawn on `matplotlib.figure.Figure` with an Agg canvas, never through pyplot: no global
 state and no display needed.
@@ -26,6 +28,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
+from evals.metrics import FIDELITY_THRESHOLD, FIDELITY_WINDOW, trailing_mean
+from evals.store import FIDELITY, read_records
 from evals.table import REFERENCE, add_filters, dataset_sort_key, keep_newest, label, load
 from longflow.errors import UserError, report
 
@@ -231,13 +235,53 @@ def plot_budget_sweep(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
     return [plot_accuracy(runs, out_dir), plot_accuracy_by_method(runs, out_dir), plot_throughput(runs, out_dir)]
 
 
+def plot_fidelity(runs: pd.DataFrame, out_dir: Path | str) -> Path:
+    """Running agreement and running KL vs output step (`evals.metrics.trailing_mean`), from the
+    fidelity.jsonl of `collect`'s runs that have one: a row per (model, dataset, budget), a line per method."""
+    runs = prepare(runs)
+    runs = runs[[(Path(path) / FIDELITY).exists() for path in runs["path"]]]
+    if runs.empty:
+        raise UserError(f"no selected run has {FIDELITY} (run evals.run with fidelity=true)")
+    palette = colors(runs)
+    cells = list(runs.groupby(["model", "dataset_label", "budget_rank", "budget_label"], sort=False).groups)
+    cells.sort(key=lambda cell: (cell[0], dataset_sort_key(cell[1]), cell[2]))
+    figure, axes = new_figure(len(cells), 2)
+    for row, (model, dataset, rank, budget) in enumerate(cells):
+        cell = runs[(runs["model"] == model) & (runs["dataset_label"] == dataset) & (runs["budget_rank"] == rank)]
+        for _, run in cell.iterrows():
+            records = read_records(Path(run["path"]) / FIDELITY)
+            for ax, key in zip(axes[row], ("agreement", "kl"), strict=True):
+                curve = trailing_mean(records, key)
+                ax.plot(range(len(curve)), curve * (100.0 if key == "agreement" else 1.0), color=palette[run["series"]],
+                        label=run["series"])
+        agreement, kl = axes[row]
+        agreement.axhline(FIDELITY_THRESHOLD * 100.0, color=REFERENCE_COLOR, linestyle=":", linewidth=1.0)
+        agreement.set_ylim(0, 101)
+        agreement.set_ylabel("top-1 agreement (%)")
+        kl.set_yscale("symlog", linthresh=1e-3)
+        kl.set_ylabel("KL(full || method), nats")
+        for ax, what in ((agreement, "agreement"), (kl, "KL")):
+            ax.set_title(f"{model}: {dataset}, budget {budget}: {what}", fontsize=10)
+            ax.set_xlabel(f"output step (mean over the last {FIDELITY_WINDOW})")
+            ax.grid(alpha=0.3)
+    add_legend(figure, runs.assign(complete=True))
+    return save(figure, Path(out_dir) / "fidelity_vs_step.png")
+
+
+def has_fidelity(runs: pd.DataFrame) -> bool:
+    return any((Path(path) / FIDELITY).exists() for path in runs["path"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evals.figures", description=__doc__.splitlines()[0])
     add_filters(parser)
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the PNG files")
     args = parser.parse_args(argv)
     try:
-        paths = plot_budget_sweep(load(args), args.out)
+        runs = load(args)
+        paths = plot_budget_sweep(runs, args.out)
+        if has_fidelity(runs):
+            paths.append(plot_fidelity(runs, args.out))
     except UserError as error:
         return report(error)
     for path in paths:

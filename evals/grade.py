@@ -1,8 +1,10 @@
 """Re-grade stored outputs without a GPU: `python -m evals.grade <run dir> [<run dir> ...]`.
 
 Reads each run's generations.jsonl, grades every output again with the current grader (useful
-after a grading fix), rewrites the file atomically and recomputes metrics.json. Records that never
-reached generation (e.g. `prompt_too_long`) keep their reason.
+after a grading fix), rewrites the file atomically and recomputes metrics.json over the items of the
+last config run there (items.json). Records that never reached generation (e.g. `prompt_too_long`)
+keep their reason. The run directory is locked meanwhile, so a run cannot append to the file while it
+is rewritten (and a live run makes this refuse).
 """
 
 from __future__ import annotations
@@ -10,8 +12,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import closing
 from pathlib import Path
 
+from evals.store import (
+    BATCHES,
+    FIDELITY,
+    GENERATIONS,
+    IDENTITY,
+    ITEMS,
+    METRICS,
+    atomic_write,
+    in_scope,
+    lock_run,
+    read_json_file,
+    read_records,
+)
 from longflow.errors import UserError, report
 
 NOT_GENERATED = {"prompt_too_long"}
@@ -19,13 +35,19 @@ NOT_GENERATED = {"prompt_too_long"}
 
 def regrade(run: Path, workers: int = 2, timeout: int = 10) -> dict:
     """Re-grades one run directory in place; returns its new metrics."""
-    from evals.grading import GradeRequest, grade_many
-    from evals.metrics import summarize
-    from evals.store import BATCHES, GENERATIONS, IDENTITY, METRICS, atomic_write, read_records
-
     if not (run / IDENTITY).exists() or not (run / GENERATIONS).exists():
         raise UserError(f"{run} is not a run directory (no {IDENTITY} or {GENERATIONS})")
-    identity = json.loads((run / IDENTITY).read_text())
+    with closing(lock_run(run)):
+        return _regrade(run, workers, timeout)
+
+
+def _regrade(run: Path, workers: int, timeout: int) -> dict:
+    from evals.grading import GradeRequest, grade_many
+    from evals.metrics import summarize
+
+    identity = read_json_file(run / IDENTITY)
+    if not isinstance(identity, dict) or not {"kind", "thinks"} <= set(identity):
+        raise UserError(f"{run / IDENTITY} is not a run identity (no kind or thinks)")
     records = read_records(run / GENERATIONS)
     kind, thinks = identity["kind"], identity["thinks"]
     todo = [r for r in records if r["reason"] not in NOT_GENERATED]
@@ -39,7 +61,9 @@ def regrade(run: Path, workers: int = 2, timeout: int = 10) -> dict:
         changed += record["correct"] != grade.correct
         record.update(extracted=grade.extracted, correct=grade.correct, reason=grade.reason)
     atomic_write(run / GENERATIONS, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    metrics = summarize({**identity, "run_id": run.name}, records, read_records(run / BATCHES))
+    scope = read_json_file(run / ITEMS) if (run / ITEMS).exists() else None
+    metrics = summarize({**identity, "run_id": run.name}, in_scope(records, scope), read_records(run / BATCHES),
+                        in_scope(read_records(run / FIDELITY), scope))
     atomic_write(run / METRICS, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     print(f"{run}: {len(todo)} outputs re-graded, {changed} changed, accuracy {metrics['accuracy']}")
     return metrics
@@ -51,11 +75,21 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=10, help="seconds per item, a hard limit")
     args = parser.parse_args()
+    from evals.grading import GraderError
+
     try:
+        if args.workers <= 0 or args.timeout <= 0:
+            raise UserError(f"--workers and --timeout must be positive, got {args.workers} and {args.timeout}")
         for run in args.runs:
             regrade(run, args.workers, args.timeout)
     except UserError as error:
         sys.exit(report(error))
+    except GraderError as error:
+        print(f"error: grading failed, nothing was rewritten: {error}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("interrupted; the run directory being re-graded was left as it was", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""A run's metrics from its stored records: accuracy, pass@k, speed, memory, KV slots held."""
+"""A run's metrics from its stored records: accuracy, pass@k, speed, memory, KV slots held, and the
+teacher-forced fidelity summary when the run has one."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def summarize(identity: dict[str, Any], generations: list[dict], batches: list[dict]) -> dict[str, Any]:
+def summarize(identity: dict[str, Any], generations: list[dict], batches: list[dict],
+              fidelity: list[dict] = ()) -> dict[str, Any]:
     """metrics.json of one run.
 
     generations: one record per item and sample (see `evals.run`); batches: one record per engine
-    batch with its timings. Speed figures cover generation only (not loading or grading).
+    batch with its timings; fidelity: the run's teacher-forced records, if any (`summarize_fidelity`).
+    Speed figures cover generation only (not loading, grading or the fidelity pass).
     """
     n_samples = identity["generation_params"]["n_samples"]
     by_item: dict[str, list[bool]] = defaultdict(list)
@@ -70,4 +73,53 @@ def summarize(identity: dict[str, Any], generations: list[dict], batches: list[d
         cuda_graph=any(batch.get("cuda_graph") for batch in batches),
         device=batches[-1]["device"] if batches else None,
     )
+    if fidelity:
+        metrics["fidelity"] = summarize_fidelity(fidelity)
     return metrics
+
+
+# The running agreement: pooled over a trailing window of this many output steps.
+FIDELITY_WINDOW = 32
+FIDELITY_THRESHOLD = 0.9
+
+
+def trailing_mean(records: list[dict], key: str, window: int = FIDELITY_WINDOW) -> np.ndarray:
+    """Per output step t, the mean of `key` over the steps t - window + 1 .. t of every record still
+    running there, pooled (each (record, step) pair counts once): `[max steps]` float, NaN for
+    t < window - 1 (no full window yet).
+
+    records: teacher-forced records, `key` ("agreement" or "kl") a list per output step.
+    """
+    steps = max(len(r[key]) for r in records)
+    values = np.zeros((len(records), steps))
+    running = np.zeros((len(records), steps))
+    for i, record in enumerate(records):
+        values[i, :len(record[key])] = record[key]
+        running[i, :len(record[key])] = 1.0
+    totals = np.concatenate([[0.0], values.sum(axis=0).cumsum()])
+    counts = np.concatenate([[0.0], running.sum(axis=0).cumsum()])
+    means = np.full(steps, np.nan)
+    end = np.arange(window, steps + 1)  # window [end - window, end), i.e. up to step end - 1
+    means[window - 1:] = (totals[end] - totals[end - window]) / (counts[end] - counts[end - window])
+    return means
+
+
+def summarize_fidelity(records: list[dict], window: int = FIDELITY_WINDOW,
+                       threshold: float = FIDELITY_THRESHOLD) -> dict[str, Any]:
+    """The teacher-forced records of a run (one per item, lists per output step, see
+    `longflow.fidelity`) summarised: mean agreement and mean KL over every scored token, and
+    `divergence_step`, the first output step t at which the running agreement (`trailing_mean`:
+    pooled over the last `window` steps and the items still running) is below `threshold`; None
+    when it never is (or no output reaches `window` steps)."""
+    tokens = sum(len(r["agreement"]) for r in records)
+    running = trailing_mean(records, "agreement", window)
+    below = np.flatnonzero(running < threshold)  # NaN compares False
+    return {
+        "n_items": len(records),
+        "n_tokens": tokens,
+        "agreement": sum(sum(r["agreement"]) for r in records) / tokens,
+        "kl": sum(sum(r["kl"]) for r in records) / tokens,
+        "divergence_step": int(below[0]) if below.size else None,
+        "window": window,
+        "threshold": threshold,
+    }

@@ -5,13 +5,17 @@
     python -m evals.run -m method=vanilla,h2o,longflow budget=1024,2048 dataset=gsm8k limit=64
 
 One run directory per dataset under `results_dir` (see `evals.store`): generations.jsonl,
-batches.jsonl, metrics.json, config.yaml, run.json, provenance.json. Starting the same config again
-resumes: only the missing items are generated.
+batches.jsonl, metrics.json, config.yaml, run.json, provenance.json, and with `fidelity=true`
+fidelity.jsonl (`run_fidelity`). Starting the same config again resumes: only the missing items
+are generated.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,20 @@ from evals.configs import CONF_DIR, group_options
 from longflow.errors import UserError, report
 
 GROUPS = ("model", "method", "dataset", "generation", "experiment")
+TOP_LEVEL_KEYS = ("model", "method", "dataset", "generation", "budget", "limit", "device", "require_gpu",
+                  "results_dir", "engine", "grading", "fidelity", "local")
+DATASET_KEYS = ("names", "root", "shuffle_choices", "seed", "overrides")
+GRADING_KEYS = ("workers", "timeout")
+INTERRUPTED = 130  # the exit code of a process ended by SIGINT
+
+logger = logging.getLogger(__name__)
+
+
+class Interrupted(Exception):
+    """Ctrl-C during a dataset run: what was saved, and where."""
+
+    def __init__(self, run: Path, saved: int):
+        super().__init__(f"interrupted; {saved} samples saved in {run}; run the same command to resume")
 
 
 @dataclass(frozen=True)
@@ -74,29 +92,50 @@ class Setup:
     model: Any  # longflow.models.ModelSpec
     limit: int | None
     grading: dict
+    fidelity: bool = False
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Setup:
-        from longflow.config import EngineConfig, GenerationConfig
+        """Every value of the config checked, or a UserError naming the first bad one."""
+        from longflow.config import EngineConfig, GenerationConfig, from_mapping
         from longflow.methods import build_policy
-        from longflow.models import ModelSpec
+        from longflow.models import ModelSpec, check_device
 
+        _check_keys(cfg, TOP_LEVEL_KEYS, "the config")
+        _check_keys(cfg["dataset"], DATASET_KEYS, "dataset")
+        _check_keys(cfg["grading"], GRADING_KEYS, "grading")
+        for key in GRADING_KEYS:
+            value = cfg["grading"][key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                # The grader's hard time limit is whole seconds (signal.alarm).
+                raise UserError(f"grading.{key} must be a positive integer, got {value!r}")
+        check_device(cfg["device"])
+        if not isinstance(cfg["require_gpu"], bool):
+            raise UserError(f"require_gpu must be true or false, got {cfg['require_gpu']!r}")
+        if not isinstance(cfg["results_dir"], str) or not cfg["results_dir"]:
+            raise UserError(f"results_dir must be a folder path, got {cfg['results_dir']!r}")
         method_params = dict(cfg["method"])
         method = method_params.pop("name")
         budget = None if method == "vanilla" else cfg["budget"]
-        if method != "vanilla" and (not isinstance(budget, int) or budget <= 0):
+        if method == "vanilla":
+            # The full cache has no variants: both names make the same run, so that the paper and
+            # lf_repo sweeps of Table 1 share it.
+            method_params["variant"] = "paper"
+        if method != "vanilla" and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
             raise UserError(f"budget must be a positive integer number of KV slots, got {cfg['budget']!r}")
         build_policy(method, budget, **method_params)  # an unknown method or bad parameters fail here
         generation_params = dict(cfg["generation"])
         generation_name, protocol = generation_params.pop("name"), generation_params.pop("protocol")
         limit = cfg.get("limit")
-        if limit is not None and (not isinstance(limit, int) or limit <= 0):
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit <= 0):
             raise UserError(f"limit must be a positive integer or null, got {limit!r}")
+        generation = from_mapping(GenerationConfig, generation_params, "generation")
         return cls(
             method=method, method_params=method_params, budget=budget, generation_name=generation_name,
             protocol=protocol, generation_params=generation_params,
-            generation=GenerationConfig(**generation_params), engine=EngineConfig(**cfg["engine"]),
-            model=ModelSpec(**cfg["model"]), limit=limit, grading=dict(cfg["grading"]),
+            generation=generation, engine=from_mapping(EngineConfig, cfg["engine"], "engine"),
+            model=from_mapping(ModelSpec, cfg["model"], "model"), limit=limit, grading=dict(cfg["grading"]),
+            fidelity=fidelity_option(cfg.get("fidelity", False), generation_name, generation),
         )
 
     def identity(self, job: Job, tokenizer) -> dict[str, Any]:
@@ -153,6 +192,36 @@ def checkpoint_fingerprint(hub_id: str) -> str | None:
     return _FINGERPRINTS[state]
 
 
+def _check_keys(section: Any, allowed: tuple[str, ...], name: str) -> None:
+    if not isinstance(section, dict):
+        raise UserError(f"{name} must be a mapping, got {section!r}")
+    unknown = sorted(set(section) - set(allowed))
+    if unknown:
+        where = unknown[0] if name == "the config" else f"{name}.{unknown[0]}"
+        raise UserError(f"unknown key {where}; {name} takes: {', '.join(allowed)}")
+
+
+def check_results_dir(path: Path) -> None:
+    """`results_dir` can be created and written to (checked before hours of generation, not after)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise UserError(f"results_dir {str(path)!r} is not a writable folder ({error.strerror})") from None
+
+
+def check_context(setup: Setup) -> None:
+    """`max_new_tokens` must leave room for a prompt in the model's positions, or every item would be
+    recorded as prompt_too_long."""
+    from longflow.models import context_length
+
+    positions = context_length(setup.model)
+    if positions is not None and setup.generation.max_new_tokens >= positions:
+        raise UserError(f"generation.max_new_tokens={setup.generation.max_new_tokens} leaves no room for a prompt: "
+                        f"model {setup.model.name} has {positions} positions")
+
+
 def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[str, Any]]:
     """Runs (or resumes) every dataset of a resolved plain-dict config; returns their metrics.
 
@@ -170,6 +239,8 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
             "run it on a GPU machine with the model downloadable or cached"
         )
     jobs = load_jobs(cfg["dataset"], setup.limit)
+    check_context(setup)
+    check_results_dir(Path(cfg["results_dir"]))
     model, tokenizer = load_model(setup.model, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     engine = Engine(model, lambda: build_policy(setup.method, setup.budget, **setup.method_params),
@@ -185,25 +256,27 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
     from tqdm import tqdm
 
     from evals.metrics import summarize
-    from evals.prompts import build_messages, render_prompt
-    from evals.store import CONFIG, METRICS, PROVENANCE, RunDir, provenance
+    from evals.prompts import build_messages, render_prompt, truncate_prompt
+    from evals.store import CONFIG, ITEMS, METRICS, PROVENANCE, RunDir, in_scope, provenance
 
     generation = setup.generation
     prompts = {}
     for item in job.items:
-        ids = render_prompt(tokenizer, build_messages(item, job.kind, setup.protocol), thinking=setup.model.thinks)
-        if generation.max_prompt_tokens is not None:
-            ids = ids[-generation.max_prompt_tokens:]  # keep the end: the question's tail and the generation prompt
-        prompts[item.id] = ids
+        ids = render_prompt(tokenizer, build_messages(item, job.kind, setup.protocol), thinking=setup.model.thinks,
+                            protocol=setup.protocol)
+        prompts[item.id] = truncate_prompt(ids, generation.max_prompt_tokens, generation.truncation_side)
     identity = setup.identity(job, tokenizer)
     max_positions = engine.model.config.get_text_config().max_position_embeddings
+
+    current = {item.id for item in job.items}
 
     with RunDir(results_dir, identity) as run:
         identity = {**identity, "run_id": run.path.name}
         run.write_json(PROVENANCE, [*run.read_json(PROVENANCE, default=[]), provenance(seeds)])
+        run.write_json(ITEMS, [item.id for item in job.items])
         if config_yaml is not None:
             run.write_text(CONFIG, config_yaml)
-        records, batches = run.generations(), run.batches()
+        records, batches, fidelity = run.generations(), run.batches(), run.fidelity()
         done = {(r["id"], r["sample"]) for r in records}
         work = [(item, sample) for item in job.items for sample in range(generation.n_samples)
                 if (item.id, sample) not in done]
@@ -217,20 +290,79 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
             records += failed
             progress.update(len(too_long))
         work = [u for u in work if u not in too_long]
-        for start in range(0, len(work), setup.engine.batch_size):
-            units = work[start:start + setup.engine.batch_size]
-            new_records, batch = generate_batch(units, job, setup, engine, tokenizer, prompts)
-            run.append(new_records, batch)
-            records += new_records
-            batches.append(batch)
-            run.write_json(METRICS, summarize(identity, records, batches))
-            progress.update(len(units))
-        progress.close()
-        metrics = summarize(identity, records, batches)
+        try:
+            for new_records, batch in generate_batches(work, job, setup, engine, tokenizer, prompts):
+                run.append(new_records, batch)
+                records += new_records
+                batches.append(batch)
+                run.write_json(METRICS, summarize(identity, in_scope(records, current), batches,
+                                                  in_scope(fidelity, current)))
+                progress.update(len(new_records))
+            progress.close()
+            if setup.fidelity and setup.method != "vanilla":
+                fidelity = run_fidelity(run, job, setup, engine, prompts, fidelity)
+        except KeyboardInterrupt:
+            progress.close()
+            raise Interrupted(run.path, len(run.generations())) from None  # what the file holds
+        metrics = summarize(identity, in_scope(records, current), batches, in_scope(fidelity, current))
         run.write_json(METRICS, metrics)
     print(f"{run.path}: accuracy {fmt(metrics['accuracy'])} over {metrics['n_items']} items, "
           f"{fmt(metrics['tokens_per_second'])} tok/s, peak KV slots {metrics['peak_kv_slots']}")
+    if "fidelity" in metrics:
+        summary = metrics["fidelity"]
+        print(f"{run.path}: teacher-forced agreement {fmt(summary['agreement'])}, KL {fmt(summary['kl'])} nats, "
+              f"divergence step {summary['divergence_step']} over {summary['n_items']} items")
     return metrics
+
+
+def generate_batches(work, job: Job, setup: Setup, engine, tokenizer, prompts) -> Iterator[tuple[list[dict], dict]]:
+    """(records, batch record) of each engine batch over the (item, sample) units of `work`, in order.
+
+    A batch that runs out of device memory is retried at half the size, and later batches keep the
+    smaller size (`batch_size` in the batch record); nothing generated is lost. Out of memory at
+    batch size 1 raises UserError.
+    """
+    batch_size, start = setup.engine.batch_size, 0
+    while start < len(work):
+        units = work[start:start + batch_size]
+        try:
+            new_records, batch = generate_batch(units, job, setup, engine, tokenizer, prompts)
+        except Exception as error:
+            if not out_of_memory(error):
+                raise
+            if len(units) == 1:
+                item = units[0][0]
+                raise UserError(
+                    f"out of memory on {engine.device} generating one sequence (item {item.id} of {job.name}, "
+                    f"{len(prompts[item.id])} prompt tokens + up to {setup.generation.max_new_tokens} new); lower "
+                    "generation.max_new_tokens or use a device with more memory") from None
+            failed = len(units)
+        else:
+            yield new_records, {**batch, "batch_size": batch_size}
+            start += len(units)
+            continue
+        # Outside the except block: the exception's frames (and the tensors they hold) are gone.
+        batch_size = failed // 2
+        free_device_memory(engine.device)
+        logger.warning("out of memory at batch size %d on %s; going on at %d", failed, engine.device, batch_size)
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """CUDA's out-of-memory error, or a RuntimeError that says so (raised by some kernels and older torch)."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+
+
+def free_device_memory(device) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def generate_batch(units, job: Job, setup: Setup, engine, tokenizer, prompts) -> tuple[list[dict], dict]:
@@ -254,6 +386,8 @@ def generate_batch(units, job: Job, setup: Setup, engine, tokenizer, prompts) ->
     records = [
         {
             "id": item.id, "dataset": job.name, "sample": sample, "prompt_tokens": result.prompt_tokens[row],
+            # The prompt as the model saw it (chat template, thinking switch, truncation), specials kept.
+            "prompt": tokenizer.decode(prompts[item.id], skip_special_tokens=False),
             "output": texts[row], "output_tokens": len(result.tokens[row]),
             "finish_reason": result.finish_reasons[row], "extracted": grades[row].extracted, "gold": item.gold,
             "correct": grades[row].correct, "reason": grades[row].reason, "seconds": seconds[row],
@@ -270,6 +404,54 @@ def generate_batch(units, job: Job, setup: Setup, engine, tokenizer, prompts) ->
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     }
     return records, batch
+
+
+def fidelity_option(value, generation_name: str, generation) -> bool:
+    """The `fidelity` field, checked: a boolean, and true only with greedy decoding."""
+    if not isinstance(value, bool):
+        raise UserError(f"fidelity must be true or false, got {value!r}")
+    if value and not generation.greedy:
+        raise UserError(f"fidelity=true needs greedy decoding (it follows the full cache's greedy tokens); "
+                        f"generation {generation_name!r} samples at temperature {generation.temperature}")
+    return value
+
+
+def run_fidelity(run, job: Job, setup: Setup, engine, prompts: dict, done: list[dict]) -> list[dict]:
+    """The teacher-forced pass (`longflow.fidelity`) of the method against the full cache, over the
+    items of `job` that `done` (the stored records) lacks; appends their records to fidelity.jsonl
+    batch by batch, so a killed pass resumes like generation. Returns every record. Items whose
+    prompt and output cannot fit the model's positions have no record."""
+    from tqdm import tqdm
+
+    from longflow.fidelity import teacher_force
+    from longflow.methods import build_policy
+
+    generation = setup.generation
+    max_positions = engine.model.config.get_text_config().max_position_embeddings
+    stored = {record["id"] for record in done}
+    work = [item for item in job.items
+            if item.id not in stored and len(prompts[item.id]) + generation.max_new_tokens <= max_positions]
+    work.sort(key=lambda item: -len(prompts[item.id]))  # similar lengths batch together
+    records = list(done)
+    progress = tqdm(total=len(work), desc=f"{setup.method}/{job.name} fidelity", unit="item", dynamic_ncols=True)
+    for start in range(0, len(work), setup.engine.batch_size):
+        items = work[start:start + setup.engine.batch_size]
+        result = teacher_force(engine, [prompts[item.id] for item in items], generation,
+                               lambda: build_policy("vanilla", None))
+        new_records = [
+            {
+                "id": item.id, "dataset": job.name, "prompt_tokens": len(prompts[item.id]),
+                "reference_tokens": len(result.tokens[row]), "reference_finish": result.finish_reasons[row],
+                "agreement": [int(agrees) for agrees in result.agreement[row]],
+                "kl": [float(f"{kl:.4g}") for kl in result.kl[row]],  # 4 significant digits: the file stays small
+            }
+            for row, item in enumerate(items)
+        ]
+        run.append_fidelity(new_records)
+        records += new_records
+        progress.update(len(items))
+    progress.close()
+    return records
 
 
 def decode(tokenizer, tokens: list[int], eos_ids: list[int]) -> str:
@@ -316,9 +498,49 @@ def check_choices(argv: list[str]) -> None:
                 raise UserError(f"unknown {key} {choice!r}; choose one of: {', '.join(options)}")
 
 
+def check_overrides(argv: list[str]) -> None:
+    """Compose the config of every job the command line asks for (each point of a `-m` sweep) and
+    check it, before Hydra starts anything: a bad override or value fails here with one line, not
+    with Hydra's multi-line report, nor halfway through a sweep. Command lines with Hydra's other
+    flags (--cfg, --help, a config name...) are left to Hydra."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    flags = [argument for argument in argv if argument.startswith("-")]
+    if set(flags) - {"-m", "--multirun"}:
+        return
+    overrides = [argument for argument in argv if not argument.startswith("-")]
+    try:
+        jobs = [overrides]
+        if flags:
+            parsed = OverridesParser.create().parse_overrides(overrides)
+            jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+        with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+            for job in jobs:
+                cfg = OmegaConf.to_container(compose("config", overrides=job), resolve=True)
+                Setup.from_config(cfg)
+    except (HydraException, OmegaConfBaseException) as error:
+        raise UserError(_one_line(error)) from None
+
+
+def _one_line(error: BaseException) -> str:
+    """Hydra's and OmegaConf's messages (and their causes) on one line."""
+    parts = [str(error)]
+    if error.__cause__ is not None:
+        parts.append(str(error.__cause__))
+    lines = [line.strip() for part in parts for line in part.splitlines()]
+    return "; ".join(line for line in lines if line and not line.startswith(("full_key", "object_type", "See ")))
+
+
 def _hydra_main() -> None:
     import hydra
     from omegaconf import OmegaConf
+
+    from evals.grading import GraderError
 
     @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
     def main(config) -> None:
@@ -326,6 +548,12 @@ def _hydra_main() -> None:
             evaluate(OmegaConf.to_container(config, resolve=True), OmegaConf.to_yaml(config, resolve=True))
         except UserError as error:
             sys.exit(report(error))
+        except GraderError as error:  # the grader's own failure: nothing was counted wrong for it
+            print(f"error: grading failed, the run stopped: {error}", file=sys.stderr)
+            sys.exit(1)
+        except Interrupted as interrupted:
+            print(interrupted, file=sys.stderr)
+            sys.exit(INTERRUPTED)
 
     main()
 
@@ -333,6 +561,10 @@ def _hydra_main() -> None:
 if __name__ == "__main__":
     try:
         check_choices(sys.argv[1:])
+        check_overrides(sys.argv[1:])
+        _hydra_main()
     except UserError as error:
         sys.exit(report(error))
-    _hydra_main()
+    except KeyboardInterrupt:  # before any dataset run started: nothing to save
+        print("interrupted; nothing was generated yet", file=sys.stderr)
+        sys.exit(INTERRUPTED)

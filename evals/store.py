@@ -8,7 +8,9 @@ config again resumes the old one.
 
 Records are appended to `generations.jsonl` one whole line per item and sample, flushed and
 fsynced after every batch. A run killed at any moment leaves at worst a torn last line, which the
-next start cuts off: that item is redone, nothing else is lost or duplicated.
+next start cuts off: that item is redone, nothing else is lost or duplicated. The teacher-forced
+fidelity records (`fidelity.jsonl`, one line per item) are kept the same way. They belong to the
+same run: they are a function of its identity and change none of its outputs.
 """
 
 from __future__ import annotations
@@ -22,16 +24,19 @@ import subprocess
 from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from longflow.errors import UserError
 
 GENERATIONS = "generations.jsonl"
+FIDELITY = "fidelity.jsonl"
 BATCHES = "batches.jsonl"
 METRICS = "metrics.json"
 IDENTITY = "run.json"
 CONFIG = "config.yaml"
 PROVENANCE = "provenance.json"
+ITEMS = "items.json"  # the ids of the items the last config run here covers (`limit` picks a prefix)
+LOCK = ".lock"
 
 
 def stable_hash(value: Any, length: int = 10) -> str:
@@ -71,12 +76,43 @@ def read_records(path: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            raise UserError(
-                f"{path}:{number}: corrupt record ({error.msg}); delete that line to redo the item"
-            ) from error
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            detail = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8"
+            raise UserError(f"{path}:{number}: corrupt record ({detail}); delete that line to redo the item") from None
+        if not isinstance(record, dict):
+            raise UserError(f"{path}:{number}: corrupt record (a JSON {type(record).__name__}, not an object); "
+                            "delete that line to redo the item")
+        records.append(record)
     return records
+
+
+def read_json_file(path: Path) -> Any:
+    """A JSON file of a run directory; UserError naming it when it is not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{path} is corrupt ({error}); delete it, or the run directory to start over") from None
+
+
+def in_scope(records: list[dict], item_ids: Iterable[str] | None) -> list[dict]:
+    """The records of the given items (all of them when `item_ids` is None): a run redone with a
+    smaller `limit` keeps the other items' records, but they are not its results."""
+    if item_ids is None:
+        return records
+    wanted = set(item_ids)
+    return [record for record in records if record["id"] in wanted]
+
+
+def lock_run(path: Path) -> TextIO:
+    """An exclusive lock on the run directory `path`, held while the returned file stays open."""
+    handle = open(path / LOCK, "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise UserError(f"{path} is being written by another process; wait for it or stop it") from None
+    return handle
 
 
 def append_records(path: Path, records: Iterable[dict]) -> None:
@@ -95,18 +131,21 @@ class RunDir:
         self.identity = identity
         self.path = Path(root) / run_name(identity)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.path / ".lock", "w")
+        self._lock = lock_run(self.path)
         try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as error:
-            raise UserError(f"{self.path} is being written by another process; wait for it or stop it") from error
+            self._check_identity()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_identity(self) -> None:
         identity_path = self.path / IDENTITY
         if identity_path.exists():
-            stored = json.loads(identity_path.read_text())
-            if stored != json.loads(json.dumps(identity, default=str)):
+            stored = read_json_file(identity_path)
+            if stored != json.loads(json.dumps(self.identity, default=str)):
                 raise UserError(f"{self.path}: {IDENTITY} does not match this config (hash collision?)")
         else:
-            atomic_write(identity_path, json.dumps(identity, indent=2, sort_keys=True, default=str) + "\n")
+            atomic_write(identity_path, json.dumps(self.identity, indent=2, sort_keys=True, default=str) + "\n")
 
     def close(self) -> None:
         self._lock.close()
@@ -123,6 +162,12 @@ class RunDir:
     def batches(self) -> list[dict]:
         return read_records(self.path / BATCHES)
 
+    def fidelity(self) -> list[dict]:
+        return read_records(self.path / FIDELITY)
+
+    def append_fidelity(self, records: list[dict]) -> None:
+        append_records(self.path / FIDELITY, records)
+
     def append(self, generations: list[dict], batch: dict | None = None) -> None:
         # Generations first: a batch line without its generations would count time for lost work.
         append_records(self.path / GENERATIONS, generations)
@@ -131,7 +176,7 @@ class RunDir:
 
     def read_json(self, name: str, default: Any = None) -> Any:
         path = self.path / name
-        return json.loads(path.read_text()) if path.exists() else default
+        return read_json_file(path) if path.exists() else default
 
     def write_json(self, name: str, value: Any) -> None:
         atomic_write(self.path / name, json.dumps(value, indent=2, sort_keys=True, default=str) + "\n")

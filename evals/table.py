@@ -11,7 +11,9 @@ compressed method of each model in each column (FullKV is the reference, not a c
 cell from an incomplete run carries a dagger and a footnote with its item count.
 
 A method variant other than "paper" is part of the method's name ("H2O (lf_repo)"); a generation
-config becomes a row key ("Gen.") only when the selected runs have more than one.
+config becomes a row key ("Gen.") only when the selected runs have more than one. Where a method has
+runs in both variants ("paper", its own paper's implementation, and "lf_repo", the LongFlow authors'),
+a row "Δ H2O (paper − lf_repo)" follows them: how much of the score comes from the implementation.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ METHOD_NAMES = {"vanilla": "FullKV", "streaming": "StreamingLLM", "h2o": "H2O", 
                 "rkv": "R-KV", "longflow": "LongFlow"}
 REFERENCE = "vanilla"  # the full cache: budget "-", listed first, not a candidate for bold
 DEFAULT_VARIANT = "paper"
-PERCENT_PREFIXES = ("accuracy", "pass_at_k")  # fractions, shown in percent
-LOWER_IS_BETTER = ("latency", "ttft", "memory", "seconds", "kv_slots")  # substrings of metric names
+AUTHORS_VARIANT = "lf_repo"  # the LongFlow authors' implementation of a baseline
+PERCENT_PREFIXES = ("accuracy", "pass_at_k", "fidelity.agreement")  # fractions, shown in percent
+LOWER_IS_BETTER = ("latency", "ttft", "memory", "seconds", "kv_slots", "fidelity.kl")  # substrings of metric names
 AVG = "Avg."
 DAGGER = "†"
 LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
@@ -175,16 +178,17 @@ class Table:
     values: pd.DataFrame  # floats, in percent for accuracy-like metrics
     bold: pd.DataFrame  # bool
     partial: pd.DataFrame  # bool
+    delta: pd.Series  # bool per row: a difference between two variants of a method, shown signed
     footnotes: list[str]  # one line each, for every partial cell
     notes: list[str]  # duplicates that were dropped
     decimals: int
 
     def display(self, markup: str) -> pd.DataFrame:
         """Cells as text, `markup` "markdown" or "latex"; missing cells are "-"."""
-        def cell(value: float, bold: bool, partial: bool) -> str:
+        def cell(value: float, bold: bool, partial: bool, delta: bool) -> str:
             if pd.isna(value):
                 return "-"
-            text = f"{value:.{self.decimals}f}"
+            text = f"{value:+.{self.decimals}f}" if delta else f"{value:.{self.decimals}f}"
             if markup == "latex":
                 return (rf"\textbf{{{text}}}" if bold else text) + (r"$^\dagger$" if partial else "")
             return (f"**{text}**" if bold else text) + (DAGGER if partial else "")
@@ -192,7 +196,7 @@ class Table:
         frame = self.values.astype(object)
         for row, column in ((r, c) for r in range(frame.shape[0]) for c in range(frame.shape[1])):
             frame.iat[row, column] = cell(self.values.iat[row, column], self.bold.iat[row, column],
-                                          self.partial.iat[row, column])
+                                          self.partial.iat[row, column], self.delta.iat[row])
         return frame
 
 
@@ -218,7 +222,7 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
     datasets = sorted(sizes.index, key=dataset_sort_key)
     headers = {d: d if pd.isna(sizes[d]) else f"{d} ({int(sizes[d])})" for d in datasets}
     rows = (runs.sort_values(["model", "method_rank", "method", "method_label", "budget_rank", "generation"])
-            [row_keys + ["method"]].drop_duplicates(row_keys))
+            [row_keys + ["method", "variant"]].drop_duplicates(row_keys))
     index = pd.MultiIndex.from_frame(rows[row_keys], names=[ROW_KEYS[k] for k in row_keys])
 
     def grid(column: str) -> pd.DataFrame:
@@ -230,8 +234,11 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
     values[AVG] = values.mean(axis=1, skipna=True)
     partial = grid("complete").eq(False)  # a missing cell (NaN) is not partial
     partial[AVG] = partial.any(axis=1)
+    rows = rows.set_index(index)
+    values, partial, delta = add_variant_deltas(values, partial, rows)
     decimals = decimals if decimals is not None else (1 if is_percent(metric) else 2)
-    bold = best_per_model(values, (rows["method"] != REFERENCE).to_numpy(), decimals, lower_is_better(metric))
+    candidate = ~delta & (rows["method"].reindex(values.index) != REFERENCE)
+    bold = best_per_model(values, candidate, decimals, lower_is_better(metric))
 
     footnotes = []
     for _, run in runs[~runs["complete"]].sort_values(row_keys + ["dataset_label"]).iterrows():
@@ -239,7 +246,41 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
         total = "?" if pd.isna(run["dataset_size"]) else int(run["dataset_size"])
         done = "?" if pd.isna(run["n_items"]) else int(run["n_items"])
         footnotes.append(f"{DAGGER} partial: {where}: {done} of {total} items")
-    return Table(metric, values, bold, partial, footnotes, notes, decimals)
+    return Table(metric, values, bold, partial, delta, footnotes, notes, decimals)
+
+
+def add_variant_deltas(values: pd.DataFrame, partial: pd.DataFrame, rows: pd.DataFrame):
+    """`values` and `partial` with a row "Δ <method> (paper − lf_repo)" after the lf_repo row of every
+    method that has rows in both variants (same model, budget and generation); and the boolean Series
+    that marks those rows. A difference is partial where either of its cells is; its Avg. is the mean
+    of its differences.
+
+    rows: indexed like `values` (paper rows sort before their lf_repo rows), with columns `method` and
+    `variant`.
+    """
+    method_level = values.index.names.index("Method")
+    faithful, order, deltas = {}, [], {}
+    for key, row in rows.iterrows():
+        order.append(key)
+        group = (row["method"], *(part for level, part in enumerate(key) if level != method_level))
+        if row["variant"] == DEFAULT_VARIANT:
+            faithful[group] = key
+        elif row["variant"] == AUTHORS_VARIANT and group in faithful:
+            name = METHOD_NAMES.get(row["method"], row["method"])
+            label = (*key[:method_level], f"Δ {name} ({DEFAULT_VARIANT} − {AUTHORS_VARIANT})",
+                     *key[method_level + 1:])
+            other = faithful[group]
+            difference = values.loc[other] - values.loc[key]
+            # Over the datasets both variants have, not the difference of two averages over others.
+            difference[AVG] = difference.drop(AVG).mean(skipna=True)
+            deltas[label] = (difference, partial.loc[other] | partial.loc[key])
+            order.append(label)
+    index = pd.MultiIndex.from_tuples(order, names=values.index.names)
+    if deltas:
+        values = pd.concat([values, pd.DataFrame([d[0] for d in deltas.values()], index=list(deltas))])
+        partial = pd.concat([partial, pd.DataFrame([d[1] for d in deltas.values()], index=list(deltas))])
+    return (values.reindex(index), partial.reindex(index).astype(bool),
+            pd.Series(index.isin(list(deltas)), index=index))
 
 
 def best_per_model(values: pd.DataFrame, candidate, decimals: int, lower: bool) -> pd.DataFrame:

@@ -1,13 +1,45 @@
 """Runtime configs of the library, as dataclasses checked on construction.
 
-The Hydra entry point converts its DictConfig into these; library code never sees a DictConfig.
+The Hydra entry point converts its DictConfig into these (`from_mapping`); library code never sees a
+DictConfig. Hydra knows no types for these fields (the YAML groups are plain), so a value given as
+`generation.max_new_tokens=abc` arrives as a string: every field is type-checked here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 from longflow.errors import UserError
+
+Config = TypeVar("Config")
+
+# The annotation of each checked field -> the Python types its value may have (bool is no int here).
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "int | None": (int, type(None))}
+
+
+def from_mapping(cls: type[Config], values: Mapping[str, Any], prefix: str) -> Config:
+    """`cls(**values)`, with an unknown key reported as the config key `prefix.key` (one line)."""
+    allowed = [field.name for field in fields(cls)]
+    unknown = sorted(set(values) - set(allowed))
+    if unknown:
+        raise UserError(f"unknown key {prefix}.{unknown[0]}; {prefix} takes: {', '.join(allowed)}")
+    return cls(**values)
+
+
+def check_types(config: Any, prefix: str) -> None:
+    """Every field of a checked dataclass holds a value of its annotated type."""
+    for field in fields(config):
+        value, kinds = getattr(config, field.name), _TYPES.get(str(field.type))
+        if kinds is None:
+            continue
+        if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
+            wanted = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+                      "int | None": "an integer or null"}[str(field.type)]
+            raise UserError(f"{prefix}.{field.name} must be {wanted}, got {value!r}")
+
+TRUNCATION_SIDES = ("left", "right")
 
 
 @dataclass(frozen=True)
@@ -27,8 +59,10 @@ class GenerationConfig:
     seed: int = 0
     ignore_eos: bool = False
     max_prompt_tokens: int | None = None
+    truncation_side: str = "left"  # which end of an over-long prompt is cut (the tokenizer's terms)
 
     def __post_init__(self):
+        check_types(self, "generation")
         if self.max_new_tokens <= 0:
             raise UserError(f"generation.max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -45,6 +79,10 @@ class GenerationConfig:
             raise UserError("generation.n_samples > 1 needs sampling (temperature > 0): greedy samples are identical")
         if self.max_prompt_tokens is not None and self.max_prompt_tokens <= 0:
             raise UserError(f"generation.max_prompt_tokens must be positive or null, got {self.max_prompt_tokens}")
+        if self.truncation_side not in TRUNCATION_SIDES:
+            raise UserError(
+                f"generation.truncation_side must be one of {TRUNCATION_SIDES}, got {self.truncation_side!r}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -63,6 +101,7 @@ class EngineConfig:
     check_every: int = 16  # decode steps between host checks for "every row finished"
 
     def __post_init__(self):
+        check_types(self, "engine")
         if self.batch_size <= 0:
             raise UserError(f"engine.batch_size must be positive, got {self.batch_size}")
         if self.check_every <= 0:

@@ -5,6 +5,7 @@ gpt-fast. The decode step changes only preallocated tensors in place and never r
 to the host (finished rows are tracked on the device), so on a GPU it is captured once per batch in
 a CUDA graph and replayed: the model's Python code then costs nothing per step. The host looks at
 the device only every `check_every` steps, to stop when every row has finished.
+`longflow.fidelity` builds its teacher-forced pass, two caches in lockstep, from the same steps.
 
 Notation: B batch, L padded prompt length, T max_new_tokens, V vocab.
 """
@@ -82,6 +83,9 @@ class Engine:
         self.head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // self.q_heads
         self.vocab = text_config.vocab_size
         self.dtype = next(model.parameters()).dtype
+        # Handed to the policies that re-rotate cached keys (StreamingLLM's `lf_repo`), so that they
+        # use the model's own frequencies and scaling (Llama 3.1's `rope_scaling` included).
+        self.rotary = getattr(model.get_decoder(), "rotary_emb", None)
 
     # ---- the steps ---------------------------------------------------------------------------
 
@@ -99,14 +103,23 @@ class Engine:
 
     def prefill(self, cache, state, input_ids, pad, generation) -> None:
         """Prompt forward `[B, L]`, then the first token into `state`."""
+        (logits,) = self.prompt_forward((cache,), state, input_ids, pad)
+        self.emit(state, select_tokens(logits, generation, state.seeds, state.step, state.seen), generation)
+
+    def prompt_forward(self, caches, state, input_ids, pad) -> list[torch.Tensor]:
+        """The prompt `[B, L]` through each cache in `caches`, which then expect the first decode
+        step at `state.positions`; returns each cache's last logits `[B, V]`."""
         positions = (pad.long().cumsum(dim=-1) - 1).clamp(min=0)
-        cache.policy.begin_prefill(pad, positions)
-        logits = self.forward(cache, input_ids, positions)
+        logits = []
+        for cache in caches:
+            cache.policy.begin_prefill(pad, positions)
+            logits.append(self.forward(cache, input_ids, positions))
         if state.seen is not None:
             state.seen.scatter_(1, input_ids, pad)
         state.positions.copy_(pad.sum(dim=-1))
-        cache.policy.begin_decode(state.positions)
-        self.emit(state, select_tokens(logits, generation, state.seeds, state.step, state.seen), generation)
+        for cache in caches:
+            cache.policy.begin_decode(state.positions)
+        return logits
 
     def emit(self, state: DecodeState, token: torch.Tensor, generation: GenerationConfig) -> None:
         """Record `token` `[B]` as output `step`, in place (finished rows emit padding)."""
@@ -126,24 +139,33 @@ class Engine:
 
     def decode_n_tokens(self, cache, state, generation, steps: int) -> tuple[list[float], bool]:
         """Runs up to `steps` decode steps; returns (seconds per step, whether a graph was used)."""
-        policy, on_gpu = cache.policy, self.device.type == "cuda"
-        run_step = lambda: self.decode_one_token(cache, state, generation)  # noqa: E731
+        return self.run_steps(lambda: self.decode_one_token(cache, state, generation), (cache.policy,), state, steps)
+
+    def run_steps(self, run_step: Callable[[], None], policies, state, steps: int) -> tuple[list[float], bool]:
+        """Runs `run_step` up to `steps` times, with each policy's host hooks around every step,
+        until every row of `state` has finished.
+
+        On a GPU the step is captured once, at the first step after the first (eager) one that no
+        policy asks to run eagerly, and replayed from then on; the steps a policy asks for
+        (`before_step`) always run eagerly.
+        """
         timer = StepTimer(self.device)
-        use_graph = False
+        graph, tried = None, not (self.device.type == "cuda" and self.config.cuda_graph)
         for step in range(steps):
-            if step == 1 and on_gpu and self.config.cuda_graph:
-                graph = capture(run_step)
-                use_graph = graph is not None
+            eager = any([policy.before_step(step) for policy in policies])  # every policy's hook runs
+            if not tried and step >= 1 and not eager:
+                graph, tried = capture(run_step), True
             timer.start()
-            if use_graph:
+            if graph is not None and not eager:
                 graph.replay()
             else:
                 run_step()
             timer.stop()
-            policy.after_step(step)
+            for policy in policies:
+                policy.after_step(step)
             if (step + 1) % self.config.check_every == 0 and bool(state.finished.all()):
                 break
-        return timer.seconds(), use_graph
+        return timer.seconds(), graph is not None
 
     # ---- a batch -----------------------------------------------------------------------------
 
@@ -156,29 +178,12 @@ class Engine:
     def generate(self, prompts: list[list[int]], generation: GenerationConfig, seeds: list[int]) -> BatchResult:
         if not prompts or len(prompts) != len(seeds):
             raise ValueError("generate needs one seed per prompt and at least one prompt")
-        # Padded to a multiple of ALIGN: a prompt length like 635 makes the rows of SDPA's mask and
-        # of the decode matmuls' operands misaligned for 16-byte loads, and the GPU falls back to
-        # kernels 2-3x slower (seen on an H200). The extra left padding is masked out like the rest.
-        batch, length = len(prompts), round_up(max(len(p) for p in prompts), ALIGN)
-        if min(len(p) for p in prompts) == 0:
-            raise ValueError("empty prompt")
-        input_ids = torch.full((batch, length), self.pad_id, dtype=torch.long)
-        pad = torch.zeros(batch, length, dtype=torch.bool)
-        for row, prompt in enumerate(prompts):  # left padding
-            input_ids[row, length - len(prompt):] = torch.tensor(prompt)
-            pad[row, length - len(prompt):] = True
-        input_ids, pad = input_ids.to(self.device), pad.to(self.device)
-
+        input_ids, pad = self.batch_inputs(prompts)
+        batch = len(prompts)
         on_gpu = self.device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(self.device)
-        policy = self.policy_factory()
-        policy.allocate(CacheSpec(
-            batch=batch, layers=self.num_layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
-            head_dim=self.head_dim, prompt_len=length, max_new_tokens=generation.max_new_tokens,
-            dtype=self.dtype, device=self.device,
-        ))
-        cache = PolicyCache(policy, self.num_layers)
+        cache = self.new_cache(self.policy_factory, pad, generation)
         state = DecodeState(batch, generation.max_new_tokens, self.vocab, seeds, self.pad_id, self.device,
                             track_seen=generation.repetition_penalty != 1.0)
 
@@ -189,24 +194,56 @@ class Engine:
         prefill_seconds = time.perf_counter() - start
         step_seconds, used_graph = self.decode_n_tokens(cache, state, generation, generation.max_new_tokens - 1)
 
-        out, finished = state.out.tolist(), state.finished.tolist()
-        eos = set(self.eos_ids.tolist())
-        tokens, reasons = [], []
-        for row in range(batch):
-            ids = out[row]
-            end = next((i + 1 for i, t in enumerate(ids) if t in eos), None) if not generation.ignore_eos else None
-            tokens.append(ids[:end] if end else ids)
-            reasons.append("eos" if end and finished[row] else "length")
+        tokens, reasons = self.outputs(state, generation)
         return BatchResult(
             tokens=tokens,
             finish_reasons=reasons,
             prompt_tokens=[len(p) for p in prompts],
             prefill_seconds=prefill_seconds,
             step_seconds=step_seconds,
-            peak_slots=policy.peak_slots(),
+            peak_slots=cache.policy.peak_slots(),
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if on_gpu else None,
             cuda_graph=used_graph,
         )
+
+    def batch_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded input ids `[B, L]` and their mask `[B, L]` bool (True = real token), on the device.
+
+        L is padded to a multiple of ALIGN: a prompt length like 635 makes the rows of SDPA's mask
+        and of the decode matmuls' operands misaligned for 16-byte loads, and the GPU falls back to
+        kernels 2-3x slower (seen on an H200). The extra left padding is masked out like the rest.
+        """
+        if min(len(p) for p in prompts) == 0:
+            raise ValueError("empty prompt")
+        batch, length = len(prompts), round_up(max(len(p) for p in prompts), ALIGN)
+        input_ids = torch.full((batch, length), self.pad_id, dtype=torch.long)
+        pad = torch.zeros(batch, length, dtype=torch.bool)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, length - len(prompt):] = torch.tensor(prompt)
+            pad[row, length - len(prompt):] = True
+        return input_ids.to(self.device), pad.to(self.device)
+
+    def new_cache(self, policy_factory: Callable[[], KVPolicy], pad: torch.Tensor,
+                  generation: GenerationConfig) -> PolicyCache:
+        """A fresh policy from `policy_factory`, allocated for the batch of `pad` `[B, L]`."""
+        policy = policy_factory()
+        policy.allocate(CacheSpec(
+            batch=pad.shape[0], layers=self.num_layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
+            head_dim=self.head_dim, prompt_len=pad.shape[1], max_new_tokens=generation.max_new_tokens,
+            dtype=self.dtype, device=self.device, rotary=self.rotary,
+        ))
+        return PolicyCache(policy, self.num_layers)
+
+    def outputs(self, state: DecodeState, generation: GenerationConfig) -> tuple[list[list[int]], list[str]]:
+        """Each row's generated ids, up to and with its first EOS, and its finish reason (syncs the host)."""
+        out, finished = state.out.tolist(), state.finished.tolist()
+        eos = set(self.eos_ids.tolist())
+        tokens, reasons = [], []
+        for row, ids in enumerate(out):
+            end = next((i + 1 for i, t in enumerate(ids) if t in eos), None) if not generation.ignore_eos else None
+            tokens.append(ids[:end] if end else ids)
+            reasons.append("eos" if end and finished[row] else "length")
+        return tokens, reasons
 
 
 def synchronize(device: torch.device) -> None:

@@ -1,6 +1,6 @@
 """LongFlow: evict, every step, the slot whose contribution to the current attention output is smallest.
 
-Su et al. 2026, "LongFlow", arXiv:2603.11504 (the project's own method; METHODS.md, "LongFlow").
+Su et al. 2026, "LongFlow", arXiv:2603.11504 (the project's own method; docs/methods.md, "LongFlow").
 
 Per layer and decode step, over static buffers (keys/values `[B, Hkv, S, D]`, S = budget):
   1. the new token's K/V overwrite slot `next_slot[b]`, chosen at the previous step (the lowest
@@ -23,11 +23,14 @@ Fields (`conf/method/longflow.yaml`):
   - `protect_newest`: beyond the paper (default off): the token written this step is never the
     next one evicted.
   - `use_kernel`: `auto` (Triton on CUDA, the reference on the CPU), `triton` or `reference`.
-  - `variant`: `paper`; `lf_repo` is accepted and identical, since the LongFlow authors' code is
-    the paper's method (the field exists because every method's config has it).
-Prefill, when the prompt is longer than the budget: SnapKV (METHODS.md's rule for methods without
-their own), one selection per layer (`layer`) or per KV head (`kv_head`), keeping budget - 1 tokens
-so that the first decode token finds a free slot.
+  - `variant`: `paper` or `lf_repo` (the LongFlow authors' code). They decode identically and
+    differ only in the prefill rule below.
+Prefill, when the prompt is longer than the budget: SnapKV (the rule for methods without their
+own), one selection per layer (`layer`) or per KV head (`kv_head`), keeping budget - 1 tokens so
+that the first decode token finds a free slot: the 32 newest prompt tokens and the best of the
+rest by the window queries' attention, avg-pooled over 5. `paper`: that attention is a softmax
+over all prompt keys (causal); `lf_repo`: over the keys before the window only, pooled over those
+alone, as the authors' code does.
 
 Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, L padded prompt length,
 D head dim.
@@ -42,7 +45,7 @@ import torch
 from longflow.attention import decode_attention
 from longflow.errors import UserError
 from longflow.kernels import longflow_attention, reference
-from longflow.policy import KVPolicy
+from longflow.policy import KVPolicy, snapkv_scores
 
 GRANULARITIES = ("layer", "kv_head")
 KERNELS = ("auto", "triton", "reference")
@@ -129,8 +132,9 @@ class LongFlowPolicy(KVPolicy):
     def prefill_scores(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """SnapKV (the base class's rule), with the first `n_sink` positions always kept."""
-        scores = super().prefill_scores(layer, q, k, v, scale)  # [B, Hkv, L]
+        """SnapKV (see the module docstring), with the first `n_sink` positions always kept."""
+        scores = snapkv_scores(q, k, self.pad, scale, shared=self.shared_selection,
+                               before_window=self.variant == "lf_repo")  # [B, Hkv, L]
         if self.n_sink:
             # SnapKV's observation window scores +inf; the sinks rank above it (the window can be
             # longer than the budget), so the window drops to the largest finite score.

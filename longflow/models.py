@@ -7,6 +7,7 @@ the tests and the demo, and full-size architectures for speed benchmarks on a GP
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from longflow.cache import ATTENTION_NAME
+from longflow.config import check_types
 from longflow.errors import UserError
 from longflow.tokenizer import CHAT_FORMATS, build_tokenizer
 
@@ -23,7 +25,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What to load. `weights`: "hub" (pretrained) or "random" (built from `architecture`)."""
+    """What to load. `weights`: "hub" (pretrained from `hub_id`: a hub id, or a local folder written by
+    `save_pretrained`, such as a fine-tuned checkpoint) or "random" (built from `architecture`)."""
 
     name: str
     hub_id: str
@@ -37,6 +40,9 @@ class ModelSpec:
     sampling_top_k: int = 0  # the family's recommended top_k when sampling (Qwen3: 20); 0 = off
 
     def __post_init__(self):
+        check_types(self, "model")
+        if not isinstance(self.architecture, dict):
+            raise UserError(f"model.architecture must be a mapping, got {self.architecture!r}")
         if self.weights not in ("hub", "random"):
             raise UserError(f"model.weights must be 'hub' or 'random', got {self.weights!r}")
         if self.dtype not in DTYPES:
@@ -58,12 +64,31 @@ def checkpoint_location(hub_id: str) -> str:
     return str(PROJECT_ROOT / path) if (PROJECT_ROOT / path).is_dir() else hub_id
 
 
+def check_device(device: str) -> None:
+    if not isinstance(device, str) or re.fullmatch(r"auto|cpu|cuda(?::\d+)?", device) is None:
+        raise UserError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+
+
 def resolve_device(device: str) -> torch.device:
+    check_device(device)
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"device={device!r} was asked for but no CUDA GPU is visible (use device=cpu)")
     return torch.device(device)
+
+
+def context_length(spec: ModelSpec) -> int | None:
+    """The model's positions (`max_position_embeddings`), read from its config without the weights;
+    None when the config cannot be had here (`load_model` then says why)."""
+    try:
+        if spec.weights == "random":
+            config = AutoConfig.for_model(**spec.architecture)
+        else:
+            config = AutoConfig.from_pretrained(spec.hub_id, revision=spec.revision)
+    except (OSError, ValueError):
+        return None
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
 
 
 def load_model(spec: ModelSpec, device: torch.device) -> tuple[PreTrainedModel, object]:
@@ -87,13 +112,16 @@ def load_model(spec: ModelSpec, device: torch.device) -> tuple[PreTrainedModel, 
         location = checkpoint_location(spec.hub_id)
         try:
             tokenizer = AutoTokenizer.from_pretrained(location, revision=spec.revision)
+            # device_map puts each weight on the device as it is read: an 8B model never takes a
+            # second copy in host memory.
             model = AutoModelForCausalLM.from_pretrained(
                 location, revision=spec.revision, dtype=dtype, device_map=str(device)
             )
         except OSError as error:
             raise UserError(
-                f"cannot load {spec.hub_id!r} (revision {spec.revision}) from the hub or its cache: "
-                f"{str(error).splitlines()[0]} -- needs hub access, or model.weights=random for random weights"
+                f"cannot load {spec.hub_id!r} (revision {spec.revision}) as a local checkpoint folder, from "
+                f"the hub or from its cache: {str(error).splitlines()[0]} -- model.hub_id takes a hub id or a "
+                "folder written by save_pretrained; model.weights=random builds the architecture instead"
             ) from error
     model.set_attn_implementation(ATTENTION_NAME)
     model.eval()

@@ -13,6 +13,7 @@ attention function (`longflow.cache`):
     begin_prefill(pad, positions)         host, before the prompt forward
       per layer: store(...) then attend(...)
     begin_decode(positions)               host, once; `positions` is the engine's static tensor
+      before_step(step)                   host, before each step: True if the step must run eagerly
       per step, per layer: store(...) then attend(...)
       after_step(step)                    host, between steps (interval methods compress here)
 
@@ -22,6 +23,7 @@ D head dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +54,9 @@ class CacheSpec:
     max_new_tokens: int
     dtype: torch.dtype
     device: torch.device
+    # The model's rotary embedding, `(x, position_ids [B, L]) -> (cos, sin) [B, L, D]` in x's dtype,
+    # for methods that re-rotate cached keys (None when the engine did not find one).
+    rotary: Callable | None = None
 
 
 class LayerSlots:
@@ -82,12 +87,15 @@ def snapkv_scores(
     window: int = 32,
     kernel: int = 5,
     shared: bool = False,
+    before_window: bool = False,
 ) -> torch.Tensor:
     """SnapKV prompt scores (Li et al. 2024): attention of the last `window` queries, avg-pooled.
 
     The window tokens themselves get +inf so that they are always kept; padding gets -inf.
     GQA: probabilities are summed over the query heads of a KV head; `shared` sums over all heads
-    for methods with one selection per layer.
+    for methods with one selection per layer. By default the window queries' softmax runs over
+    all prompt keys (causal); `before_window` restricts it, and the pooling, to the keys before the
+    window, as the LongFlow authors' SnapKV does (`lf_repo`).
 
     Args:
         q: `[B, Hq, L, D]`; k: `[B, Hkv, L, D]`; pad: `[B, L]` bool.
@@ -95,13 +103,24 @@ def snapkv_scores(
     Returns:
         `[B, Hkv, L]` float32 (identical across heads when `shared`).
     """
-    probs = window_probs(q, k, pad, scale, window)  # [B, Hkv, G, W, L]
-    scores = probs.sum(dim=(2, 3))  # [B, Hkv, L]
+    batch, kv_heads, length = pad.shape[0], k.shape[1], pad.shape[1]
+    window = min(window, length)
+    scored = length - window if before_window else length  # keys that the window's softmax covers
+    if before_window:
+        q_heads, head_dim = q.shape[1], q.shape[3]
+        last = q[:, :, scored:].float().view(batch, kv_heads, q_heads // kv_heads, window, head_dim)
+        logits = torch.matmul(last, k[:, :, :scored].float().unsqueeze(2).transpose(-1, -2)) * scale
+        logits = logits.masked_fill(~pad[:, None, None, None, :scored], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # [B, Hkv, G, W, L - W]
+    else:
+        probs = window_probs(q, k, pad, scale, window)  # [B, Hkv, G, W, L]
+    scores = probs.sum(dim=(2, 3))  # [B, Hkv, scored]
     if shared:
         scores = scores.sum(dim=1, keepdim=True).expand_as(scores)
-    scores = F.avg_pool1d(scores.flatten(0, 1).unsqueeze(1), kernel, stride=1, padding=kernel // 2)
-    scores = scores.view(pad.shape[0], k.shape[1], -1)
-    window = min(window, pad.shape[1])
+    if scored:
+        scores = F.avg_pool1d(scores.flatten(0, 1).unsqueeze(1), kernel, stride=1, padding=kernel // 2)
+    scores = scores.reshape(batch, kv_heads, scored)
+    scores = torch.cat([scores, scores.new_full((batch, kv_heads, length - scored), float("inf"))], dim=-1)
     scores[..., -window:] = float("inf")
     return scores.masked_fill(~pad[:, None, :], float("-inf"))
 
@@ -116,6 +135,8 @@ class KVPolicy:
       - `prefill_scores(...)`: the prompt-compression rule (default: SnapKV);
       - `choose_next_slot(layer, probs)`: the per-step eviction rule;
       - `decode(layer, q, scale)`: the whole decode attention, when the method fuses it;
+      - `before_step(step)`: whether the coming step does host-side work inside the forward
+        (the engine then runs it eagerly, not as a CUDA-graph replay);
       - `after_step(step)`: host-side work between steps (interval compression).
     """
 
@@ -170,6 +191,12 @@ class KVPolicy:
         """
         self.prefilling = False
         self.positions = positions
+
+    def before_step(self, step: int) -> bool:
+        """Host hook before decode step `step` (0-based). True when the step does host-side work
+        inside the forward, so that the engine runs it eagerly instead of replaying its CUDA graph
+        (R-KV's `lf_repo` cut, which needs the step's own query). Default: every step is static."""
+        return False
 
     def after_step(self, step: int) -> None:
         """Host hook after decode step `step` (0-based); no-op for per-step methods."""
@@ -254,14 +281,14 @@ class KVPolicy:
         self.next_slot[layer].copy_(self.first_free_slot(layer))
         self.on_prompt_stored(layer, kept)
 
-    def record_peak(self) -> None:
-        """Fold the slots held now, per row over layers and heads, into the peak.
+    def record_peak(self, layers: list[int] | None = None) -> None:
+        """Fold the slots held now in `layers` (default: all), per row over heads, into the peak.
 
         A store fills a free slot or overwrites one, so the count never falls while decoding:
         its peak is the count at the end or just before a method frees slots. Methods that free
         slots (R-KV's cuts) call this first; the decode step itself stays free of the reduction.
         """
-        for slots in self.layers:
+        for slots in self.layers if layers is None else [self.layers[i] for i in layers]:
             held = slots.valid.sum(dim=-1).amax(dim=-1)  # [B]
             torch.maximum(self.peak, held, out=self.peak)
 

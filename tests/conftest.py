@@ -98,15 +98,16 @@ def capped(cls):
     return Checked
 
 
-def drive_layer(policy, q, k, v, pad, steps, scale):
+def drive_layer(policy, q, k, v, pad, steps, scale, rotary=None):
     """Drives one layer of `policy` through prefill and decode as the engine does.
 
+    `rotary`: the model's rotary embedding, for policies that need it (`CacheSpec.rotary`).
     Returns (held positions per step `[step][row][head] -> set`, attention output per step).
     """
     batch, q_heads, length, head_dim = q.shape
     policy.allocate(CacheSpec(batch=batch, layers=1, q_heads=q_heads, kv_heads=k.shape[1], head_dim=head_dim,
                               prompt_len=length, max_new_tokens=len(steps) + 1, dtype=torch.float32,
-                              device=torch.device("cpu")))
+                              device=torch.device("cpu"), rotary=rotary))
     policy.begin_prefill(pad, (pad.long().cumsum(dim=-1) - 1).clamp(min=0))
     policy.store(0, k, v)
     policy.attend(0, q, k, v, scale)

@@ -1,4 +1,4 @@
-"""H2O: the budget cap and recent window at every step, and a plain transcription of METHODS.md."""
+"""H2O: the budget cap and recent window at every step, and a plain transcription of docs/methods.md."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_budget_cap_at_every_step(tiny, variant):
     assert result.peak_slots == [12, 12]
 
 
-# ---- an independent transcription of METHODS.md, on random tensors -----------------------------
+# ---- an independent transcription of docs/methods.md, on random tensors -------------------------
 
 
 def reference_h2o(q, k, v, pad, steps, budget, recent, variant, scale):

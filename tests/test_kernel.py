@@ -1,4 +1,4 @@
-"""The fused LongFlow kernel against its PyTorch reference (METHODS.md, LongFlow).
+"""The fused LongFlow kernel against its PyTorch reference (docs/methods.md, LongFlow).
 
 On a machine without CUDA the kernels run in Triton's interpreter, whose switch must be set before
 Triton defines them, hence the environment line above the imports; shapes stay small there.

@@ -1,4 +1,4 @@
-"""LongFlowPolicy on its own: decode against METHODS.md's formula, slot filling, the budget cap.
+"""LongFlowPolicy on its own: decode against docs/methods.md's formula, slot filling, the budget cap.
 
 Without CUDA the Triton path runs in the interpreter (switch set before Triton defines the kernels).
 """
@@ -33,7 +33,7 @@ def spec(prompt_len: int = 8, max_new_tokens: int = 8, dtype=torch.float32) -> C
 
 
 def formula(q, keys, values, valid):
-    """METHODS.md, LongFlow, transcribed head by head: (out `[B, Hq, D]`, next_slot `[B]`).
+    """docs/methods.md, LongFlow, transcribed head by head: (out `[B, Hq, D]`, next_slot `[B]`).
 
     valid `[B, S]`; score_j = sum_h sum_d |p_hj v_hj,d| / (Hq D); the lowest free slot first.
     """
@@ -169,6 +169,49 @@ def test_prefill_keeps_budget_minus_one_and_the_sinks():
     assert max(run_decode(policy, 5, gen, start=length)) == budget
 
 
+def authors_snapkv(q, k, keep, window=32, kernel=5):
+    """The LongFlow authors' prefill SnapKV for one unpadded row, with loops: q `[Hq, n, D]`, k
+    `[Hkv, n, D]` -> the kept positions. The window queries' softmax runs over the keys before the
+    window only; summed over heads and queries; average-pooled over those keys (zero beyond them);
+    the top keep - window of them, and the window."""
+    q_heads, n, dim = q.shape
+    group, scored = q_heads // k.shape[0], n - window
+    sums = torch.zeros(scored, dtype=torch.float64)
+    for h in range(q_heads):
+        for t in range(scored, n):
+            logits = torch.tensor([float(q[h, t] @ k[h // group, j]) * dim ** -0.5 for j in range(scored)],
+                                  dtype=torch.float64)
+            sums += torch.softmax(logits, dim=0)
+    half = kernel // 2
+    pooled = torch.tensor([float(sums[max(0, j - half):j + half + 1].sum()) / kernel for j in range(scored)])
+    top = pooled.argsort(descending=True)[:keep - window].tolist()
+    return sorted(top) + list(range(scored, n))
+
+
+def test_lf_repo_prefill_is_the_authors_snapkv():
+    """Rows of 60 and 50 real tokens (left padding) above the budget, one of 20 below it."""
+    budget, length, lengths = 41, 60, [60, 50, 20]
+    gen = torch.Generator().manual_seed(5)
+    pad = torch.arange(length) >= (length - torch.tensor(lengths))[:, None]
+    q = torch.randn(BATCH, Q_HEADS, length, HEAD_DIM, generator=gen)
+    k, v = (torch.randn(BATCH, KV_HEADS, length, HEAD_DIM, generator=gen) for _ in range(2))
+    held = {}
+    for variant in ("lf_repo", "paper"):
+        policy = LongFlowPolicy(budget=budget, variant=variant, use_kernel="reference")
+        policy.allocate(CacheSpec(batch=BATCH, layers=1, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                  prompt_len=length, max_new_tokens=4, dtype=torch.float32,
+                                  device=torch.device("cpu")))
+        policy.begin_prefill(pad, (pad.long().cumsum(dim=-1) - 1).clamp(min=0))
+        policy.attend(0, q, *policy.store(0, k, v), SCALE)
+        slots = policy.layers[0]
+        held[variant] = [sorted(slots.positions[b, 0][slots.valid[b, 0]].tolist()) for b in range(BATCH)]
+    for b, n in enumerate(lengths):
+        row = slice(length - n, length)
+        expected = authors_snapkv(q[b, :, row], k[b, :, row], budget - 1) if n > budget - 1 else list(range(n))
+        assert held["lf_repo"][b] == expected
+    assert held["paper"][:2] != held["lf_repo"][:2]  # the paper's softmax over all keys chooses otherwise
+
+
 def test_rejects_bad_fields():
     with pytest.raises(UserError, match="granularity"):
         LongFlowPolicy(budget=8, granularity="token")
@@ -194,7 +237,7 @@ def generate(model, tokenizer, policy_factory, max_new_tokens):
 
 @pytest.mark.parametrize("use_kernel,max_new_tokens", [("auto", 24), ("triton", 6)])
 def test_big_budget_generates_the_vanilla_tokens(tiny, use_kernel, max_new_tokens):
-    """METHODS.md: with budget >= prompt + max_new_tokens a method must equal full-cache greedy decoding."""
+    """docs/methods.md: with budget >= prompt + max_new_tokens a method must equal full-cache greedy decoding."""
     model, tokenizer = tiny  # on the CPU: "triton" runs the kernel in Triton's interpreter
     if use_kernel == "triton" and torch.cuda.is_available():
         pytest.skip("tiny models live on the CPU here; test_kernel_in_cuda_graph covers the GPU")

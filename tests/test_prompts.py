@@ -12,6 +12,7 @@ from evals.prompts import (
     MATH_INSTRUCTION,
     build_messages,
     render_prompt,
+    truncate_prompt,
 )
 from longflow.errors import UserError
 from longflow.tokenizer import build_tokenizer
@@ -71,3 +72,47 @@ def test_render_prompt_r1_template_opens_the_thinking():
     ids = render_prompt(tokenizer, build_messages(MATH, "math", "lf_repo"), thinking=True)
     text = tokenizer.decode(ids)
     assert text.startswith(tokenizer.bos_token + LF_REPO_SYSTEM) and text.endswith("<think>\n")
+
+
+def test_lf_repo_renders_text_then_tokenizes_with_the_tokenizer_defaults():
+    """As the authors' scripts: a tokenizer that adds a BOS of its own (R1-Distill's) gives two."""
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = build_tokenizer(512, "r1_distill")
+    bos = tokenizer.bos_token
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tokenizer.bos_token_id)])
+    messages = build_messages(MATH, "math", "lf_repo")
+    ours = render_prompt(tokenizer, messages, thinking=True)
+    theirs = render_prompt(tokenizer, messages, thinking=True, protocol="lf_repo")
+    assert ours[0] == tokenizer.bos_token_id != ours[1]
+    assert theirs == [tokenizer.bos_token_id] + ours
+    qwen = build_tokenizer(512, "qwen3")  # adds no special token: both renderings agree
+    assert render_prompt(qwen, messages, True, "lf_repo") == render_prompt(qwen, messages, True)
+
+
+def test_truncation_keeps_the_end_or_the_start():
+    tokenizer = build_tokenizer(512, "qwen3")
+    ids = render_prompt(tokenizer, build_messages(MATH, "math", "lf_repo"), thinking=True)
+    assert truncate_prompt(ids, None, "right") == ids and truncate_prompt(ids, len(ids), "right") == ids
+    assert truncate_prompt(ids, 10, "left") == ids[-10:]
+    kept = truncate_prompt(ids, len(ids) - 5, "right")
+    assert kept == ids[:-5]
+    # right truncation of a chat prompt cuts the generation prompt: the model continues the user turn
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    assert not tokenizer.decode(kept).endswith("assistant\n")
+
+
+def test_lf_repo_generation_is_the_authors_setting():
+    from evals.configs import read_group
+    from longflow.config import GenerationConfig
+
+    fields = read_group("generation", "lf_repo")
+    assert (fields.pop("name"), fields.pop("protocol")) == ("lf_repo", "lf_repo")
+    generation = GenerationConfig(**fields)
+    assert generation.greedy and generation.max_new_tokens == 8192 and generation.repetition_penalty == 1.2
+    assert (generation.max_prompt_tokens, generation.truncation_side) == (1000, "right")
+    for name in ("greedy", "sampling"):
+        assert read_group("generation", name)["truncation_side"] == "left"
+    with pytest.raises(UserError, match="truncation_side"):
+        GenerationConfig(truncation_side="middle")

@@ -1,5 +1,6 @@
-"""R-KV: equality with the full cache, the budget at every step, and the scores against a plain
-transcription of METHODS.md (loops over rows and heads, written independently of baselines/rkv.py)."""
+"""R-KV: equality with the full cache, the budget at every step, and the scores against plain
+transcriptions of docs/methods.md (loops over rows and heads, written independently of baselines/rkv.py):
+the official code (`paper`) and the LongFlow authors' `RKVCache` (`lf_repo`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import VARIANTS, tiny_model
+from conftest import VARIANTS, capped, tiny_model
 
-from baselines.rkv import RKVPolicy
+from baselines.rkv import RKVPolicy, lf_repo_scores
 from baselines.vanilla import VanillaPolicy
 from longflow.config import GenerationConfig
 from longflow.engine import Engine
@@ -22,7 +23,6 @@ MODES = ("cap", "target")
 # Small-budget settings: compressions every few steps, prompts longer than the budget.
 SMALL = {
     "paper": dict(budget=24, compress_every=8),
-    "lf_repo": dict(budget=32, compress_every=8, lf_protect=9),
 }
 PROMPT_LENGTHS = (7, 40, 19)
 
@@ -101,7 +101,7 @@ class CheckedRKV(RKVPolicy):
 
 
 @pytest.mark.parametrize("budget_mode", MODES)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ["paper"])
 def test_small_budget_never_exceeded(qwen3, variant, budget_mode):
     model, tokenizer = qwen3
     made = []
@@ -152,7 +152,7 @@ def test_invalid_settings(bad):
         RKVPolicy(**{"budget": 512, **bad})
 
 
-@pytest.mark.parametrize("variant", ["paper", "lf_repo"])
+@pytest.mark.parametrize("variant", ["paper"])
 def test_budget_below_the_interval_shrinks_it(variant):
     with pytest.warns(UserWarning, match="using 16"):
         policy = RKVPolicy(64, variant=variant)
@@ -160,12 +160,13 @@ def test_budget_below_the_interval_shrinks_it(variant):
     assert policy.protect < policy.keep_after < policy.slots
 
 
-# ---- scores against METHODS.md -------------------------------------------------------------------
+# ---- paper: scores against docs/methods.md -------------------------------------------------------
 
 
-def reference_scores(queries, query_valid, keys, held, scale, protect, kernel, lam, threshold, variant):
-    """METHODS.md, transcribed with loops. Held slots are contiguous and in position order; the last
-    W slots are the window queries' own tokens. Returns float64 `[B, Hkv, S]` (nan = not a candidate)."""
+def reference_scores(queries, query_valid, keys, held, scale, protect, kernel, lam, threshold):
+    """docs/methods.md (paper), transcribed with loops. Held slots are contiguous and in position
+    order; the last W slots are the window queries' own tokens. Returns float64 `[B, Hkv, S]` (nan =
+    not a candidate)."""
     batch, q_heads, window, _ = queries.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     group = q_heads // kv_heads
@@ -187,29 +188,22 @@ def reference_scores(queries, query_valid, keys, held, scale, protect, kernel, l
                     for j in older
                 ], dtype=torch.float64)
                 importance += torch.softmax(logits, dim=0)
-            if variant == "paper":
-                importance /= len(used)
+            importance /= len(used)
             half = kernel // 2
             pooled = [max(importance[max(0, i - half):i + half + 1]) for i in range(len(older))]
             # Redundancy over all held keys.
             ks = keys[b, h, tokens]
-            if variant == "paper":
-                unit = ks / (ks.norm(dim=-1, keepdim=True) + 1e-8)
-            else:
-                unit = ks / ks.norm(dim=-1, keepdim=True) ** 2
+            unit = ks / (ks.norm(dim=-1, keepdim=True) + 1e-8)
             sim = unit @ unit.T
-            if variant == "paper":
-                for i in range(len(tokens)):
-                    sim[i, i] = 0.0
-                for i in range(len(tokens)):
-                    duplicates = [j for j in range(len(tokens)) if sim[i, j] > threshold]
-                    if duplicates:
-                        sim[i, max(duplicates)] = 0.0  # the most recent duplicate is kept
+            for i in range(len(tokens)):
+                sim[i, i] = 0.0
+            for i in range(len(tokens)):
+                duplicates = [j for j in range(len(tokens)) if sim[i, j] > threshold]
+                if duplicates:
+                    sim[i, max(duplicates)] = 0.0  # the most recent duplicate is kept
             redundancy = torch.softmax(sim.mean(dim=0), dim=0)
             for i, j in enumerate(candidates):
                 out[b, h, j] = lam * pooled[i] - (1 - lam) * redundancy[tokens.index(j)]
-    if variant == "lf_repo":
-        out = out.mean(dim=1, keepdim=True).expand_as(out).clone()
     return out
 
 
@@ -240,16 +234,16 @@ def assert_scores_match(scores, reference, held, protect):
     assert candidate.eq(held & ~protected).all()
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ["paper"])
 @pytest.mark.parametrize("heads", [(2, 2), (8, 2)])
 def test_scores_match_reference(variant, heads):
     from baselines.rkv import rkv_scores
 
-    window, protect, kernel = (8, 8, 7) if variant == "paper" else (9, 12, 5)
+    window, protect, kernel = 8, 8, 7
     queries, query_valid, keys, held = random_case(0, *heads, slots=40, window=window, pads=[0, 3, 11])
     scores = rkv_scores(queries, query_valid, keys, held, 0.25, protect=protect, kernel=kernel, lam=0.1,
-                        threshold=0.5, variant=variant)
-    reference = reference_scores(queries, query_valid, keys, held, 0.25, protect, kernel, 0.1, 0.5, variant)
+                        threshold=0.5)
+    reference = reference_scores(queries, query_valid, keys, held, 0.25, protect, kernel, 0.1, 0.5)
     assert_scores_match(scores, reference, held, protect)
 
 
@@ -263,8 +257,7 @@ def test_scores_reach_the_threshold_rule():
 
 
 def make_policy(variant, **kwargs):
-    params = dict(budget=24, compress_every=8) if variant == "paper" else dict(
-        budget=40, compress_every=8, lf_protect=12)
+    params = dict(budget=24, compress_every=8)
     policy = RKVPolicy(variant=variant, **{**params, **kwargs})
     spec = CacheSpec(batch=3, layers=2, q_heads=8, kv_heads=2, head_dim=16, prompt_len=30, max_new_tokens=8,
                      dtype=torch.float32, device=torch.device("cpu"))
@@ -273,7 +266,7 @@ def make_policy(variant, **kwargs):
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ["paper"])
 def test_decode_compression_keeps_the_top_scored(variant, chunked, monkeypatch):
     if chunked:  # one (layer, row) per scoring call instead of all layers and rows at once
         monkeypatch.setattr("baselines.rkv.SCORE_BYTES", 1)
@@ -300,7 +293,7 @@ def test_decode_compression_keeps_the_top_scored(variant, chunked, monkeypatch):
             assert getattr(slots, name)[1].equal(before[name][1])
         reference = reference_scores(policy.rings[layer], every, before["keys"], before["valid"],
                                      policy.scale, policy.protect, policy.kernel, policy.lam,
-                                     policy.threshold, variant)
+                                     policy.threshold)
         for row in (0, 2):
             for head in range(2):
                 n = policy.keep_after
@@ -317,13 +310,11 @@ def test_decode_compression_keeps_the_top_scored(variant, chunked, monkeypatch):
                 candidate = ~score.isnan()
                 assert int((chosen & candidate).sum()) == n - policy.protect
                 assert score[chosen & candidate].min() >= score[~chosen & candidate].max() - 1e-6
-            if variant == "lf_repo":
-                assert slots.positions[row, 0].equal(slots.positions[row, 1])
         assert policy.next_slot[layer][[0, 2]].eq(policy.keep_after).all()
 
 
 @pytest.mark.parametrize("budget_mode", MODES)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", ["paper"])
 def test_prefill_compression_keeps_the_top_scored(variant, budget_mode):
     """cap: the padded prompt exceeds the slots (the base class selects first); target: it fits in
     the slots but its rows exceed the target (only `on_prompt_stored` cuts)."""
@@ -346,7 +337,7 @@ def test_prefill_compression_keeps_the_top_scored(variant, budget_mode):
     held = pad[:, None, :].expand(batch, 2, length)
     query_valid = pad[:, -window:]
     reference = reference_scores(q[:, :, -window:], query_valid, k, held, 0.25, policy.protect, policy.kernel,
-                                 policy.lam, policy.threshold, variant)
+                                 policy.lam, policy.threshold)
     for row in range(batch):
         n = min(keep, int(lengths[row]))
         for head in range(2):
@@ -374,3 +365,170 @@ def test_softmax_scale_convention():
     """Sanity: the default scale is 1/sqrt(D), the models' own."""
     policy = make_policy("paper")
     assert math.isclose(policy.scale, 16 ** -0.5)
+
+
+# ---- lf_repo: the LongFlow authors' RKVCache, transcribed -----------------------------------------
+
+
+def reference_lf_scores(queries, keys, kernel, lam):
+    """docs/methods.md (R-KV, lf_repo) with loops, for one row: queries `[Hq, W, D]`, keys `[Hkv, N, D]`
+    in cache order -> Z `[N]` float64."""
+    q_heads, window, dim = queries.shape
+    kv_heads, count = keys.shape[:2]
+    group = q_heads // kv_heads
+    queries, keys = queries.double(), keys.double()
+    importance = torch.zeros(q_heads, count, dtype=torch.float64)
+    for h in range(q_heads):
+        for w in range(window):
+            logits = torch.tensor([float(queries[h, w] @ keys[h // group, j]) / math.sqrt(dim) for j in range(count)],
+                                  dtype=torch.float64)
+            importance[h] += torch.softmax(logits, dim=0)
+    half = kernel // 2
+    pooled = torch.tensor([[max(importance[h, max(0, j - half):j + half + 1]) for j in range(count)]
+                           for h in range(q_heads)], dtype=torch.float64)
+    redundancy = torch.zeros(count, dtype=torch.float64)
+    for h in range(kv_heads):
+        unit = [keys[h, i] / float(keys[h, i] @ keys[h, i]) for i in range(count)]
+        row_mean = torch.tensor([sum(float(unit[i] @ unit[j]) for j in range(count)) / count for i in range(count)],
+                                dtype=torch.float64)
+        redundancy += torch.softmax(row_mean, dim=0) / kv_heads
+    return lam * pooled.mean(dim=0) - (1 - lam) * redundancy
+
+
+@pytest.mark.parametrize("heads", [(2, 2), (8, 2)])
+def test_lf_repo_scores_match_reference(heads):
+    """Left padding is not scored: a row's real keys score as they would alone."""
+    queries, query_valid, keys, _ = random_case(0, *heads, slots=30, window=9, pads=[0, 0, 0])
+    held = torch.arange(30) >= torch.tensor([0, 4, 13])[:, None]
+    scores = lf_repo_scores(queries, query_valid, keys, held, kernel=5, lam=0.1)
+    assert scores[~held].eq(float("-inf")).all()
+    for row in range(3):
+        expected = reference_lf_scores(queries[row], keys[row][:, held[row]], kernel=5, lam=0.1)
+        torch.testing.assert_close(scores[row][held[row]].double(), expected, rtol=1e-4, atol=1e-6)
+
+
+def authors_cache(prompt, steps, budget, protect, margin, queries, kernel, lam, scale):
+    """The authors' `RKVCache` driven by `generate`, for one row, on lists in cache order.
+
+    prompt: (q `[Hq, n, D]`, k, v `[Hkv, n, D]`); steps: (q `[Hq, D]`, k, v `[Hkv, D]`). The query
+    window is the last `queries - 1` prompt queries, then those plus each step's own. A cache of
+    more than budget - margin tokens keeps the top budget - margin - 2 protect of all but its
+    `protect` newest, in score order, then those newest: at prefill, and within each step after
+    the append, before attention. Returns the cache order and the outputs `[Hq, D]` per step.
+    """
+    pq, pk, pv = prompt
+    n, limit = pk.shape[1], budget - margin
+    cache = [(p, pk[:, p], pv[:, p]) for p in range(n)]
+    window = [pq[:, p] for p in range(max(0, n - (queries - 1)), n)]
+
+    def cut(cache, window):
+        scored = cache[:-protect]
+        z = reference_lf_scores(torch.stack(window, dim=1), torch.stack([k for _, k, _ in scored], dim=1),
+                                kernel, lam)
+        return [scored[i] for i in z.topk(limit - 2 * protect).indices.tolist()] + cache[-protect:]
+
+    if n > limit:
+        cache = cut(cache, window)
+    orders, outputs = [], []
+    for t, (q, k, v) in enumerate(steps):
+        window = window[-(queries - 1):] + [q]
+        cache.append((n + t, k, v))
+        if len(cache) > limit:
+            cache = cut(cache, window)
+        group = q.shape[0] // k.shape[0]
+        keys = torch.stack([key for _, key, _ in cache], dim=1)  # [Hkv, T, D]
+        values = torch.stack([value for _, _, value in cache], dim=1)
+        outputs.append(torch.stack([torch.softmax(keys[h // group] @ q[h] * scale, dim=0) @ values[h // group]
+                                    for h in range(q.shape[0])]))
+        orders.append([p for p, _, _ in cache])
+    return orders, outputs
+
+
+def test_lf_repo_cuts_inside_the_step_like_the_authors_cache():
+    """Random tensors, GQA, left padding, one prompt above budget - margin: at every step the slots
+    hold the authors' cache in its order (score order, then the newest) and the outputs agree."""
+    torch.manual_seed(4)
+    batch, q_heads, kv_heads, length, dim, scale = 3, 8, 2, 40, 16, 0.25
+    budget, protect, margin, queries, kernel = 40, 6, 4, 5, 3
+    lengths = [40, 9, 3]
+    pad = torch.arange(length) >= (length - torch.tensor(lengths))[:, None]
+    q = torch.randn(batch, q_heads, length, dim)
+    k = torch.randn(batch, kv_heads, length, dim) + torch.randn(batch, kv_heads, 1, dim)  # correlated keys
+    v = torch.randn(batch, kv_heads, length, dim)
+    steps = [(torch.randn(batch, q_heads, 1, dim), torch.randn(batch, kv_heads, 1, dim),
+              torch.randn(batch, kv_heads, 1, dim)) for _ in range(45)]
+    policy = capped(RKVPolicy)(budget, variant="lf_repo", lf_queries=queries, lf_kernel=kernel,
+                               lf_protect=protect, lf_margin=margin, lam=0.1)
+    policy.allocate(CacheSpec(batch=batch, layers=1, q_heads=q_heads, kv_heads=kv_heads, head_dim=dim,
+                              prompt_len=length, max_new_tokens=len(steps) + 1, dtype=torch.float32,
+                              device=torch.device("cpu")))
+    policy.begin_prefill(pad, (pad.long().cumsum(dim=-1) - 1).clamp(min=0))
+    policy.store(0, k, v)
+    policy.attend(0, q, k, v, scale)
+    positions = pad.sum(dim=-1)
+    policy.begin_decode(positions)
+    orders, outputs, eager = [], [], []
+    for step, (qs, ks, vs) in enumerate(steps):
+        eager.append(policy.before_step(step))
+        policy.store(0, ks, vs)
+        outputs.append(policy.attend(0, qs, ks, vs, scale)[:, 0])
+        slots = policy.layers[0]
+        assert slots.valid.sum(dim=-1).max() <= budget - margin  # what a query attends to
+        orders.append([slots.positions[b, 0][slots.valid[b, 0]].tolist() for b in range(batch)])
+        policy.after_step(step)
+        positions += 1
+    for b, n in enumerate(lengths):
+        prompt = (q[b, :, length - n:], k[b, :, length - n:], v[b, :, length - n:])
+        row_steps = [(qs[b, :, 0], ks[b, :, 0], vs[b, :, 0]) for qs, ks, vs in steps]
+        expected_orders, expected_outputs = authors_cache(prompt, row_steps, budget, protect, margin, queries,
+                                                          kernel, 0.1, scale)
+        for step in range(len(steps)):
+            assert orders[step][b] == expected_orders[step], f"row {b}, step {step}"
+            torch.testing.assert_close(outputs[step][b], expected_outputs[step], rtol=1e-5, atol=1e-6)
+    # a step runs eagerly exactly when some row cuts in it; each row cuts every protect + 1 steps
+    cut_steps = [step for step in range(len(steps))
+                 if any(len(orders[step][b]) < len(orders[step - 1][b]) + 1 for b in range(batch) if step)]
+    assert [step for step, flag in enumerate(eager) if flag] == cut_steps and len(cut_steps) >= 6
+
+
+class CheckedRKVRepo(capped(RKVPolicy)):
+    """The hard cap (`capped`), what a query attends to, and the `protect` newest at every attention."""
+
+    def attend(self, layer, q, k, v, scale):
+        out = super().attend(layer, q, k, v, scale)
+        slots = self.layers[layer]
+        held = slots.valid.sum(dim=-1)  # [B, Hkv]
+        assert int(held.max()) <= self.hold_limit
+        assert slots.valid.eq(torch.arange(slots.slots) < held[..., None]).all(), "held slots are the low ones"
+        assert slots.positions.eq(slots.positions[:, :1]).all(), "one selection per layer"
+        if not self.prefilling:
+            for row, newest in enumerate(self.positions.tolist()):
+                kept = set(slots.positions[row, 0].tolist())
+                assert set(range(newest - self.protect + 1, newest + 1)) <= kept
+        return out
+
+
+def test_lf_repo_small_budget_in_the_engine(qwen3):
+    model, tokenizer = qwen3
+    made = []
+
+    def factory():
+        made.append(CheckedRKVRepo(40, variant="lf_repo", lf_protect=6))
+        return made[-1]
+
+    generation = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+    result = Engine(model, factory, [], tokenizer.pad_token_id).generate(prompts(), generation, [0, 1, 2])
+    policy = made[0]
+    assert policy.slots == 37 and policy.keep_after == 30 and policy.keep_scored == 24
+    assert policy.prompt_cut(40) and not policy.prompt_cut(19)
+    assert result.peak_slots == [37, 37, 37]  # budget - lf_margin + 1: the stored token, before the cut
+    assert all(len(tokens) == 48 for tokens in result.tokens)
+
+
+def test_lf_repo_budget_below_their_minimum_shrinks_the_protected_tail():
+    with pytest.warns(UserWarning, match="using 15"):
+        policy = RKVPolicy(64, variant="lf_repo")
+    assert (policy.protect, policy.slots, policy.keep_after, policy.keep_scored) == (15, 61, 45, 30)
+    assert RKVPolicy(261, variant="lf_repo").keep_scored == 1  # their smallest working cache_budget
+    with pytest.raises(ValueError, match="lf_margin"):
+        RKVPolicy(512, variant="lf_repo", lf_margin=0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,6 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from evals.configs import CONF_DIR
+from evals.run import check_overrides, evaluate
+from longflow.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 BASE = ["model=tiny_qwen3", "dataset=demo", "generation.max_new_tokens=24", "budget=48", "device=cpu",
@@ -105,14 +112,101 @@ def test_identity_ignores_batch_size_but_not_budget(reference, tmp_path):
         (["method=h2o", "budget=0"], "budget must be a positive integer"),
         (["method=h2o", "budget=-5"], "budget must be a positive integer"),
         (["dataset=gsm8k", "dataset.root=/nonexistent/data"], "gsm8k.jsonl"),
+        (["generation.max_new_tokens=abc"], "generation.max_new_tokens must be an integer, got 'abc'"),
+        (["+generation.foo=1"], "unknown key generation.foo; generation takes: max_new_tokens"),
+        (["generation.foo=1"], "Could not override 'generation.foo'"),
+        (["grading.timeout=2.5"], "grading.timeout must be a positive integer, got 2.5"),
+        (["-m", "method=h2o,vanilla", "budget=64,abc"], "budget must be a positive integer"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, needle, tmp_path):
-    result = run_cli(*args, f"results_dir={tmp_path}", timeout=120)
+    result = run_cli(*BASE, *args, f"results_dir={tmp_path}", timeout=120)
+    assert_refused_before_loading(result, needle, tmp_path)
+
+
+def assert_refused_before_loading(result: subprocess.CompletedProcess, needle: str, results_dir: Path) -> None:
+    """One `error:` line, exit code 2, and no run directory: it stopped before the model loaded."""
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+    assert not results_dir.exists() or not run_dirs(results_dir)
+
+
+@pytest.mark.parametrize("args,needle", [
+        (["generation.max_new_tokens=abc"], "generation.max_new_tokens must be an integer, got 'abc'"),
+        (["engine.batch_size=abc"], "engine.batch_size must be an integer, got 'abc'"),
+        (["generation.temperature=hot"], "generation.temperature must be a number"),
+        (["device=foo"], "device must be auto, cpu, cuda or cuda:N, got 'foo'"),
+        (["+generation.foo=1"], "unknown key generation.foo; generation takes: max_new_tokens"),
+        (["generation.foo=1"], "Could not override 'generation.foo'"),
+        (["+foo=1"], "unknown key foo"),
+        (["+grading.retries=1"], "unknown key grading.retries"),
+        (["grading.workers=0"], "grading.workers must be a positive integer, got 0"),
+        (["grading.timeout=0"], "grading.timeout must be a positive integer, got 0"),
+        (["grading.timeout=2.5"], "grading.timeout must be a positive integer, got 2.5"),
+        (["limit=abc"], "limit must be a positive integer"),
+        (["method=h2o", "budget=[1,2"], "no viable alternative"),
+        (["-m", "method=h2o,vanilla", "budget=64,abc"], "budget must be a positive integer"),
+])
+def test_every_config_value_is_checked_before_anything_runs(args, needle):
+    """The checks `python -m evals.run` makes before Hydra starts (the cases above, end to end)."""
+    with pytest.raises(UserError) as raised:
+        check_overrides([*BASE, *args])
+    assert needle in str(raised.value) and "\n" not in str(raised.value)
+
+
+def compose_config(*overrides: str) -> dict:
+    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
+        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """`load_model` made to fail the test: what is refused must be refused before it."""
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("longflow.models.load_model", load_model)
+
+
+GOOD_ROW = '{"index": 0, "question": "1+1?", "true_answer": "2"}\n'
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b'{"index": 0, "question": "caf\xe9?", "true_answer": "2"}\n', "gsm8k.jsonl: line 1: not UTF-8 text"),
+    (b"", "gsm8k.jsonl holds no items"),
+    (b"\n\n", "gsm8k.jsonl holds no items"),
+    ((GOOD_ROW + '{"index": 1, "question": "  ", "true_answer": "3"}\n').encode(), "(id 1): the question is empty"),
+    ((GOOD_ROW + '{"index": 0, "question": "2+2?", "true_answer": "4"}\n').encode(),
+     "rows 1 and 2 have the same id '0'"),
+])
+def test_bad_data_files_are_refused_before_loading(content, needle, tmp_path, no_model):
+    (tmp_path / "gsm8k.jsonl").write_bytes(content)
+    cfg = compose_config(*BASE, "dataset=gsm8k", f"dataset.root={tmp_path}", f"results_dir={tmp_path / 'runs'}")
+    with pytest.raises(UserError, match=re.escape(needle)):
+        evaluate(cfg)
+
+
+def test_unwritable_results_dir_is_refused_before_loading(tmp_path, no_model):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(UserError, match="is not a writable folder"):
+        evaluate(compose_config(*BASE, f"results_dir={tmp_path / 'a_file' / 'runs'}"))
+
+
+def test_max_new_tokens_beyond_the_models_positions_is_refused_before_loading(tmp_path, no_model):
+    cfg = compose_config(*BASE, "model.architecture.max_position_embeddings=256", "generation.max_new_tokens=300",
+                         f"results_dir={tmp_path}")
+    with pytest.raises(UserError, match="max_new_tokens=300 leaves no room for a prompt: model tiny_qwen3 has 256"):
+        evaluate(cfg)
+
+
+def test_a_bad_data_file_from_the_command_line(tmp_path):
+    (tmp_path / "gsm8k.jsonl").write_bytes(b'{"index": 0, "question": "caf\xe9?", "true_answer": "2"}\n')
+    runs = tmp_path / "runs"
+    result = run_cli(*BASE, "dataset=gsm8k", f"dataset.root={tmp_path}", f"results_dir={runs}", timeout=120)
+    assert_refused_before_loading(result, "gsm8k.jsonl: line 1: not UTF-8 text", runs)
 
 
 def test_malformed_jsonl_names_file_and_line(tmp_path):
@@ -148,6 +242,144 @@ def test_over_long_prompts_are_recorded_and_the_run_goes_on(tmp_path):
     reasons = {row["reason"] for row in rows}
     assert "prompt_too_long" in reasons and len(reasons) > 1  # short prompts still generated
     assert all(not row["correct"] for row in rows if row["reason"] == "prompt_too_long")
+
+
+# --- out of memory, scope, locking, corrupt files, Ctrl-C -----------------------------------------
+
+
+def fail_above(monkeypatch, limit: int, error: Exception) -> list[int]:
+    """Make the engine raise `error` (as CUDA does when out of memory) for batches above `limit` rows;
+    returns the sizes it was asked for."""
+    from longflow.engine import Engine
+
+    sizes, generate = [], Engine.generate
+
+    def generate_or_fail(engine, prompts, generation, seeds):
+        sizes.append(len(prompts))
+        if len(prompts) > limit:
+            raise error
+        return generate(engine, prompts, generation, seeds)
+
+    monkeypatch.setattr(Engine, "generate", generate_or_fail)
+    return sizes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("error", [__import__("torch").OutOfMemoryError("CUDA out of memory. Tried to allocate"),
+                                   RuntimeError("CUDA error: out of memory")])
+def test_out_of_memory_halves_the_batch_and_loses_nothing(monkeypatch, tmp_path, error):
+    sizes = fail_above(monkeypatch, 1, error)
+    [metrics] = evaluate(compose_config(*BASE, "engine.batch_size=4", "limit=5", "dataset.names=[demo_math]",
+                                        f"results_dir={tmp_path}"))
+    [run] = run_dirs(tmp_path)
+    batches = [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
+    assert sizes == [1, 4, 2, 1, 1, 1, 1, 1]  # the warm-up, 4 -> 2 -> 1, then 1 for good
+    assert [batch["batch_size"] for batch in batches] == [1] * 5 and all(b["size"] == 1 for b in batches)
+    rows = records(run)
+    assert sorted(r["id"] for r in rows) == sorted({r["id"] for r in rows}) and len(rows) == 5
+    assert metrics["n_items"] == 5
+
+
+def test_out_of_memory_at_batch_size_1_is_one_clear_line(monkeypatch, tmp_path):
+    fail_above(monkeypatch, 0, __import__("torch").OutOfMemoryError("CUDA out of memory"))
+    monkeypatch.setattr("longflow.engine.Engine.warm_up", lambda engine: None)
+    with pytest.raises(UserError, match="out of memory on cpu generating one sequence"):
+        evaluate(compose_config(*BASE, "engine.batch_size=2", "limit=1", "dataset.names=[demo_math]",
+                                f"results_dir={tmp_path}"))
+
+
+@pytest.mark.slow
+def test_a_smaller_limit_reports_only_its_items(tmp_path):
+    overrides = [*BASE, "dataset.names=[demo_math]", f"results_dir={tmp_path}"]
+    [wide] = evaluate(compose_config(*overrides, "limit=4"))
+    [narrow] = evaluate(compose_config(*overrides, "limit=2"))
+    [run] = run_dirs(tmp_path)
+    assert wide["n_items"] == 4 and narrow["n_items"] == 2
+    assert len(records(run)) == 4  # the other items' records stay in the file
+    subprocess.run([sys.executable, "-m", "evals.grade", str(run)], cwd=REPO, check=True, timeout=120,
+                   capture_output=True)
+    assert json.loads((run / "metrics.json").read_text())["n_items"] == 2
+
+
+def fake_run(path: Path, records_text: str, identity_text: str | None = None) -> Path:
+    """A run directory as evals.run leaves it, without running a model."""
+    path.mkdir()
+    identity = {"kind": "math", "thinks": True, "generation_params": {"n_samples": 1}, "model": "m", "hub_id": "h",
+                "method": "vanilla", "variant": "paper", "budget": None, "generation": "greedy", "dataset": "d",
+                "dataset_size": 1}
+    (path / "run.json").write_text(identity_text if identity_text is not None else json.dumps(identity))
+    (path / "generations.jsonl").write_text(records_text)
+    return path
+
+
+RECORD = {"id": "0", "sample": 0, "output": "</think>\\boxed{2}", "finish_reason": "eos", "gold": "2",
+          "extracted": None, "correct": False, "reason": "mismatch", "output_tokens": 3, "peak_slots": 8}
+
+
+def regrade_cli(run: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "evals.grade", str(run)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_regrade_refuses_a_run_being_written(tmp_path):
+    """evals.grade rewrites generations.jsonl: while a run holds the lock, it must not."""
+    from evals.store import lock_run
+
+    run = fake_run(tmp_path / "run", json.dumps(RECORD) + "\n")
+    before = (run / "generations.jsonl").read_text()
+    with lock_run(run):
+        result = regrade_cli(run)
+    assert result.returncode == 2 and "being written by another process" in result.stderr, result.stderr
+    assert (run / "generations.jsonl").read_text() == before
+    result = regrade_cli(run)
+    assert result.returncode == 0, result.stderr
+    assert records(run)[0]["correct"] is True  # re-graded once the lock was free
+
+
+@pytest.mark.parametrize("identity_text, records_text, needle", [
+    ("{not json", json.dumps(RECORD) + "\n", "run.json is corrupt"),
+    (None, "[1, 2]\n", "generations.jsonl:1: corrupt record (a JSON list, not an object)"),
+    (None, json.dumps(RECORD) + "\n\"text\"\n", "generations.jsonl:2: corrupt record (a JSON str"),
+])
+def test_corrupt_run_files_are_one_line(tmp_path, identity_text, records_text, needle):
+    result = regrade_cli(fake_run(tmp_path / "run", records_text, identity_text))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and needle in result.stderr
+
+
+def test_a_corrupt_run_json_is_a_user_error_when_a_run_resumes(tmp_path):
+    from evals.store import IDENTITY, RunDir, run_name
+
+    identity = {"model": "m", "method": "vanilla", "budget": None, "generation": "greedy", "dataset": "d"}
+    (tmp_path / run_name(identity)).mkdir()
+    (tmp_path / run_name(identity) / IDENTITY).write_text("\x00garbage")
+    with pytest.raises(UserError, match="run.json is corrupt"):
+        RunDir(tmp_path, identity)
+    with RunDir(tmp_path / "other", identity):  # and the failed attempt did not keep the lock
+        pass
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_and_the_run_resumes(tmp_path):
+    process = subprocess.Popen([sys.executable, "-m", "evals.run", *BASE, "method=h2o", f"results_dir={tmp_path}"],
+                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None:  # Ctrl-C once the first batch is stored
+        found = list(tmp_path.glob("*/generations.jsonl"))
+        if found and found[0].read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    os.killpg(process.pid, signal.SIGINT)  # as a terminal does: the whole process group
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    lines = [line for line in stderr.splitlines() if line.strip() and "sample/s" not in line and "%|" not in line]
+    assert "Traceback" not in stderr and len(lines) == 1, stderr
+    match = re.fullmatch(r"interrupted; (\d+) samples saved in (\S+); run the same command to resume", lines[0])
+    assert match and Path(match.group(2)).is_dir()
+    assert int(match.group(1)) == len(records(Path(match.group(2))))
+    result = run_cli(*BASE, "method=h2o", f"results_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
 
 
 def test_a_local_checkpoint_is_part_of_the_identity(tmp_path):

@@ -1,4 +1,4 @@
-"""StreamingLLM: sinks + window at every step, and a transcription of METHODS.md."""
+"""StreamingLLM: sinks + window at every step, and transcriptions of docs/methods.md (both variants)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import LONG_TEXTS, VARIANTS, capped, generate
+from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from baselines.streaming import StreamingPolicy
+from baselines.streaming import StreamingPolicy, sink_rerotation
 from longflow.errors import UserError
 from longflow.methods import build_policy
 from longflow.policy import CacheSpec
@@ -19,7 +21,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf" / "method" / "streaming.yaml
 
 
 def streaming_window(newest: int, budget: int, n_sink: int) -> set[int]:
-    """METHODS.md: the first n_sink positions and the most recent budget - n_sink, up to `newest`."""
+    """docs/methods.md: the first n_sink positions and the most recent budget - n_sink, up to `newest`."""
     window = range(max(0, newest - (budget - n_sink) + 1), newest + 1)
     return set(range(min(n_sink, newest + 1))) | set(window)
 
@@ -42,11 +44,10 @@ class CheckedStreaming(capped(StreamingPolicy)):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_budget_cap_and_window_at_every_step(tiny, variant):
-    prompts, result = generate(tiny, lambda: CheckedStreaming(12, variant=variant), LONG_TEXTS)
+    sinks = {} if variant == "paper" else {"lf_n_sink": 4}  # lf_repo's 32 sinks exceed this budget
+    prompts, result = generate(tiny, lambda: CheckedStreaming(12, variant=variant, **sinks), LONG_TEXTS)
     assert min(map(len, prompts)) > 12  # prefill compression runs
     assert result.peak_slots == [12, 12]
-    _, other = generate(tiny, lambda: StreamingPolicy(12, variant="lf_repo"), LONG_TEXTS)
-    assert other.tokens == result.tokens  # the variants are identical
 
 
 def test_matches_reference_random():
@@ -112,3 +113,109 @@ def test_config_and_validation():
     for bad in (dict(variant="official"), dict(n_sink=-1), dict(n_sink=16)):
         with pytest.raises(UserError):
             StreamingPolicy(16, **bad)
+    assert build_policy("streaming", 34, **{**fields, "variant": "lf_repo"}).n_sink == 32
+    for bad in (dict(lf_n_sink=-1), dict(lf_n_sink=32)):  # lf_repo needs budget >= lf_n_sink + 2
+        with pytest.raises(UserError):
+            StreamingPolicy(33, variant="lf_repo", **bad)
+    policy = StreamingPolicy(34, variant="lf_repo")
+    with pytest.raises(UserError, match="rotary"):
+        policy.allocate(CacheSpec(batch=1, layers=1, q_heads=2, kv_heads=1, head_dim=4, prompt_len=4,
+                                  max_new_tokens=8, dtype=torch.float32, device=torch.device("cpu")))
+
+
+# ---- lf_repo: transformers' SinkCache, transcribed ------------------------------------------------
+
+HEAD_DIM = 8
+
+
+def rotary_module(scaled: bool) -> LlamaRotaryEmbedding:
+    """A model's rotary embedding: plain RoPE, or Llama 3.1's `rope_scaling` (R1-Distill-Llama)."""
+    scaling = dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}) if scaled else {}
+    config = LlamaConfig(hidden_size=2 * HEAD_DIM, num_attention_heads=2, head_dim=HEAD_DIM,
+                         max_position_embeddings=4096, rope_theta=500.0, **scaling)
+    return LlamaRotaryEmbedding(config)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of the models: x cos + rotate_half(x) sin, rotate_half(x1, x2) = (-x2, x1)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def sink_cache_reference(prompt_keys, prompt_values, steps, window, sinks, cos, sin, scale):
+    """transformers' `SinkCache` (4.51) as `generate` drives it, for one row, transcribed on lists.
+
+    prompt_keys/values `[Hkv, n, D]`; steps: (q `[Hq, D]`, k, v `[Hkv, D]`) per decode step; cos, sin
+    `[positions, D]`: the model's, indexed by position. Prefill stores the whole prompt; each step
+    appends while the cache plus the token stays below `window`, and otherwise keeps the first
+    `sinks` entries and the last window - sinks - 1, the latter rotated back by one position (entry
+    i with the cos/sin products of positions sinks + i + 1 and sinks + i), then appends the token.
+    The query attends to the cache with its real position. Returns the held positions and outputs
+    `[Hq, D]` per step, and the final keys by position.
+    """
+    kv_heads, n = prompt_keys.shape[:2]
+    cache = [(p, prompt_keys[:, p], prompt_values[:, p]) for p in range(n)]
+    held, outputs = [], []
+    for t, (q, k, v) in enumerate(steps):
+        if len(cache) + 1 >= window:
+            kept = []
+            for i, (p, key, value) in enumerate(cache[len(cache) - (window - sinks - 1):]):
+                a, b = sinks + i + 1, sinks + i
+                back_cos = cos[a] * cos[b] + sin[a] * sin[b]
+                back_sin = -sin[a] * cos[b] + cos[a] * sin[b]
+                kept.append((p, rope(key, back_cos, back_sin), value))
+            cache = cache[:sinks] + kept
+        cache.append((n + t, k, v))
+        group = q.shape[0] // kv_heads
+        out = torch.empty_like(q)
+        for h in range(q.shape[0]):
+            keys = torch.stack([key[h // group] for _, key, _ in cache])
+            values = torch.stack([value[h // group] for _, _, value in cache])
+            out[h] = torch.softmax(keys @ q[h] * scale, dim=0) @ values
+        held.append({p for p, _, _ in cache})
+        outputs.append(out)
+    return held, outputs, {p: key for p, key, _ in cache}
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_lf_repo_matches_the_sink_cache_transcription(scaled):
+    """Random tensors, left padding (one prompt longer than the window), GQA, 30 steps: the held
+    positions, the outputs and the re-rotated keys, against `sink_cache_reference` row by row."""
+    torch.manual_seed(1)
+    batch, q_heads, kv_heads, length, window, sinks, scale = 3, 4, 2, 20, 12, 3, 0.3
+    lengths = [20, 7, 11]
+    rotary = rotary_module(scaled)
+    cos, sin = (t[0] for t in rotary(torch.empty(0), torch.arange(64)[None]))
+    pad = torch.arange(length)[None, :] >= (length - torch.tensor(lengths))[:, None]
+    q = torch.randn(batch, q_heads, length, HEAD_DIM)
+    k, v = torch.randn(2, batch, kv_heads, length, HEAD_DIM)
+    steps = [(torch.randn(batch, q_heads, 1, HEAD_DIM), *torch.randn(2, batch, kv_heads, 1, HEAD_DIM))
+             for _ in range(30)]
+    policy = StreamingPolicy(window, variant="lf_repo", lf_n_sink=sinks)
+    held, outputs = drive_layer(policy, q, k, v, pad, steps, scale, rotary=rotary)
+    slots = policy.layers[0]
+    for b, n in enumerate(lengths):
+        row_steps = [(qs[b, :, 0], ks[b, :, 0], vs[b, :, 0]) for qs, ks, vs in steps]
+        expected_held, expected_out, final_keys = sink_cache_reference(
+            k[b, :, length - n:], v[b, :, length - n:], row_steps, window, sinks, cos, sin, scale)
+        for t in range(len(steps)):
+            assert all(held[t][b][h] == expected_held[t] for h in range(kv_heads)), f"row {b}, step {t}"
+            torch.testing.assert_close(outputs[t][b], expected_out[t], rtol=1e-5, atol=1e-6)
+        for slot in range(window):
+            torch.testing.assert_close(slots.keys[b, :, slot], final_keys[int(slots.positions[b, 0, slot])],
+                                       rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_lf_repo_rerotation_is_one_position_back(scaled):
+    """Every row of the table takes a key rotated at position p to the key rotated at p - 1, with the
+    model's own frequencies (Llama 3.1's scaled ones too)."""
+    rotary = rotary_module(scaled)
+    back_cos, back_sin = sink_rerotation(rotary, 40, 4, torch.float32, torch.device("cpu"))
+    cos, sin = (t[0] for t in rotary(torch.empty(0), torch.arange(40)[None]))
+    key = torch.randn(HEAD_DIM)
+    for p in range(1, 40):
+        for i in range(len(back_cos)):
+            moved = rope(rope(key, cos[p], sin[p]), back_cos[i], back_sin[i])
+            torch.testing.assert_close(moved, rope(key, cos[p - 1], sin[p - 1]), rtol=1e-5, atol=1e-5)

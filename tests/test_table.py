@@ -92,8 +92,13 @@ def test_table_layout_values_and_bold(runs):
     assert list(values.index) == [
         ("tiny_llama", "FullKV", "-"), ("tiny_llama", "StreamingLLM", "64"), ("tiny_llama", "LongFlow", "64"),
         ("tiny_qwen3", "FullKV", "-"), ("tiny_qwen3", "H2O", "64"), ("tiny_qwen3", "H2O (lf_repo)", "64"),
-        ("tiny_qwen3", "R-KV", "64"), ("tiny_qwen3", "LongFlow", "64"),  # a variant follows its method
+        ("tiny_qwen3", "Δ H2O (paper − lf_repo)", "64"),  # a variant follows its method, then the difference
+        ("tiny_qwen3", "R-KV", "64"), ("tiny_qwen3", "LongFlow", "64"),
     ]
+    delta = values.loc[("tiny_qwen3", "Δ H2O (paper − lf_repo)", "64")]
+    assert delta["GSM8K (1319)"] == 12.5 and pd.isna(delta["MATH-500 (500)"])
+    assert delta["Avg."] == 12.5  # over GSM8K, the one dataset both variants ran
+    assert table.delta.sum() == 1 and not bold.loc[("tiny_qwen3", "Δ H2O (paper − lf_repo)", "64")].any()
     row = values.loc[("tiny_qwen3", "LongFlow", "64")]
     assert row["GSM8K (1319)"] == 50.0 and row["MATH-500 (500)"] == 25.0 and pd.isna(row["AIME24 (30)"])
     assert row["Avg."] == 37.5
@@ -140,6 +145,7 @@ def test_markdown_marks(runs):
     assert "| tiny_qwen3 | LongFlow | 64 | - | **50.0** | 25.0† | - | 37.5† |" not in md  # model shown once
     assert "|  | LongFlow | 64 | - | **50.0** | 25.0† | - | 37.5† |" in md
     assert "† partial: tiny_qwen3 / LongFlow / 64 / MATH-500: 4 of 500 items" in md
+    assert "|  | Δ H2O (paper − lf_repo) | 64 | - | +12.5 | - | - | +12.5 |" in md
 
 
 def test_outputs_and_csv_round_trip(runs, tmp_path):

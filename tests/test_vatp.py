@@ -1,4 +1,4 @@
-"""VATP: the budget cap and sinks at every step, and a transcription of METHODS.md."""
+"""VATP: the budget cap and sinks at every step, and a transcription of docs/methods.md."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_budget_cap_and_sinks_at_every_step(tiny, variant):
     assert result.peak_slots == [28, 28]
 
 
-# ---- an independent transcription of METHODS.md, on random tensors -----------------------------
+# ---- an independent transcription of docs/methods.md, on random tensors -------------------------
 
 
 def received(queries, keys, query_positions, key_positions, scale):
@@ -52,7 +52,7 @@ def received(queries, keys, query_positions, key_positions, scale):
 
 
 def vatp_scores(attention, values, variant):
-    """METHODS.md: attention `[Hq, N]` received, values `[Hkv, N, D]` -> scores `[Hkv, N]`."""
+    """docs/methods.md: attention `[Hq, N]` received, values `[Hkv, N, D]` -> scores `[Hkv, N]`."""
     kv_heads = values.shape[0]
     if variant == "paper":  # ||v||_1 * attention summed over the group, per KV head
         return attention.view(kv_heads, -1, attention.shape[-1]).sum(dim=1) * values.abs().sum(dim=-1)

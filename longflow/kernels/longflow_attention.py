@@ -1,6 +1,6 @@
 """Fused LongFlow decode attention in Triton: attention output, slot scores and argmin in one pass.
 
-LongFlow (Su et al. 2026, arXiv 2603.11504); the semantics are METHODS.md's and
+LongFlow (Su et al. 2026, arXiv 2603.11504); the semantics are docs/methods.md's and
 `longflow.kernels.reference`'s. Kernel ideas follow FlashAttention-2 / flash-decoding (Dao et al.;
 triton-lang/triton `python/tutorials/06-fused-attention.py` for the style).
 

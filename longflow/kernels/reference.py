@@ -1,6 +1,6 @@
 """LongFlow decode attention in plain PyTorch: the CPU path and the oracle of the Triton kernel.
 
-A literal transcription of METHODS.md (LongFlow, Su et al. 2026, arXiv 2603.11504), float32 math:
+A literal transcription of docs/methods.md (LongFlow, Su et al. 2026, arXiv 2603.11504), float32 math:
 
     p_hj      = softmax_j over valid slots of q_h . k_{kv(h), j} * scale     (kv(h) = h // G)
     out_h     = sum_j p_hj v_{kv(h), j}

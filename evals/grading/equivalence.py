@@ -1,0 +1,201 @@
+"""Whether a normalised math answer equals its gold (see `evals.grading` for the rules).
+
+Numbers are compared here, not by math-verify: a gold that is a number, written plainly ("27.0",
+"4.5e33", Minerva's Python-ish "np.arcsin(10/13)") or as LaTeX that evaluates to one
+("\\frac{8}{3}", "\\cos^{10}(\\frac{\\pi}{10})"), matches an answer that evaluates to a number
+exactly when the gold is an integer and within a relative 1e-4 otherwise. math-verify compares
+numbers after rounding to 6 decimals (1e-8 == 2e-8) and reads "4.5e33" with Euler's e. Everything
+else (expressions with variables, tuples, intervals, sets, equations, text) goes through
+math-verify's `verify(gold, pred)`.
+
+math-verify bounds its work with signal.alarm, so everything here runs in the main thread.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import re
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from itertools import product
+
+import sympy
+from math_verify import parse, verify
+from math_verify.errors import TimeoutException
+
+from evals.grading.answers import Answer, base_numeral, decimal_comma, definition
+
+REL_TOL = 1e-4
+
+# "4.5e33", "1e-8", "3.21E+5" as a whole number token (not "2e^{t}" or "x1e5").
+_E_NOTATION = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]\+?(-?\d+)(?![\w.])")
+_INTEGER = re.compile(r"[+-]?\d+(?:\.0*)?")
+_LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
+
+
+def equivalent(gold: Answer, pred: Answer, timeout: int) -> bool:
+    """Whether `pred` answers `gold`; raises TimeoutException when a comparison runs out of time."""
+    gold, pred = _definitions_dropped(gold, pred)
+    numeral = base_numeral(gold.text)
+    if numeral is not None:
+        # "52_8" is not 528 (Python's digit separator) nor 52's decimal value 42: the same digits,
+        # with the same base or none (the question asked for that base).
+        digits, base = numeral
+        return pred.text.upper() == digits or base_numeral(pred.text) == numeral
+    gold_value = _value(gold.text, timeout)
+    gold_comma = decimal_comma(gold.text) if gold_value is None else None
+    if gold_value is not None or gold_comma is not None:
+        pred_value = _value(pred.text, timeout)
+        if pred_value is None and gold_value is not None and (pred_comma := decimal_comma(pred.text)):
+            pred_value = _value(pred_comma, timeout)
+        if gold_value is None and pred_value is not None:
+            gold_value = _value(gold_comma, timeout)
+        if gold_value is not None and pred_value is not None:
+            return _numbers_match(gold_value, gold.percent, pred_value, pred.percent)
+    return _verify(_parse(gold.text, timeout), _parse(pred.text, timeout), timeout)
+
+
+def _definitions_dropped(gold: Answer, pred: Answer) -> tuple[Answer, Answer]:
+    """What a name is called is not part of the answer: "I_{\\max} = \\frac{q}{2}" is answered by
+    "\\frac{q}{2}", "3" by "x = 3", and "f(x) = 2x" by "f(x) = x + x"."""
+    gold_definition, pred_definition = definition(gold.text), definition(pred.text)
+    if gold_definition and pred_definition:
+        if gold_definition[0] != pred_definition[0]:
+            return gold, pred
+        return replace(gold, text=gold_definition[1]), replace(pred, text=pred_definition[1])
+    if gold_definition and "=" not in pred.text:
+        gold = replace(gold, text=gold_definition[1])
+    if pred_definition and "=" not in gold.text:
+        pred = replace(pred, text=pred_definition[1])
+    return gold, pred
+
+
+def _numbers_match(gold: tuple[complex, bool], gold_percent: bool, pred: tuple[complex, bool],
+                   pred_percent: bool) -> bool:
+    """`gold` and `pred` are (value, is an exact integer). A side written with a percent sign also
+    matches through its value divided by 100 ("60\\%" answers 0.6, and 0.625 answers "62.5%")."""
+    (gold_value, exact), (pred_value, _) = gold, pred
+    for gold_scale, pred_scale in product((1, 100) if gold_percent else (1,), (1, 100) if pred_percent else (1,)):
+        scaled_gold, scaled_pred = gold_value / gold_scale, pred_value / pred_scale
+        if exact and gold_scale == pred_scale == 1:
+            if scaled_pred == scaled_gold:
+                return True
+        elif abs(scaled_pred - scaled_gold) <= REL_TOL * abs(scaled_gold):
+            return True
+    return False
+
+
+def _value(text: str, timeout: int) -> tuple[complex, bool] | None:
+    """(value, whether it is an exact integer) of an answer that is a single number, else None."""
+    literal = _literal_number(text)
+    if literal is not None:
+        return complex(literal), _INTEGER.fullmatch(text) is not None
+    return _number(_parse(text, timeout), timeout)
+
+
+def _parse(text: str, timeout: int) -> list:
+    """math-verify's parse of `text` as one LaTeX formula, with e-notation made explicit."""
+    latex = _E_NOTATION.sub(r"\1\\times 10^{\2}", text)
+    return parse(f"${latex}$", parsing_timeout=timeout, raise_on_error=True)
+
+
+def _verify(gold: list, pred: list, timeout: int) -> bool:
+    """math-verify's `verify`, pair by pair as it does itself, but telling a timeout from a mismatch."""
+    timed_out = False
+    for gold_item, pred_item in product(gold, pred):
+        try:
+            if verify(gold_item, pred_item, timeout_seconds=timeout, raise_on_error=True):
+                return True
+        except TimeoutException:
+            timed_out = True
+        except Exception:  # math-verify's own rule: a comparison that fails is not a match
+            continue
+    if timed_out:
+        raise TimeoutException("math-verify timed out")
+    return False
+
+
+def _number(parsed: list, timeout: int) -> tuple[complex, bool] | None:
+    """(value, whether it is an exact integer) of a parsed answer, or None when it is not a single
+    number."""
+    expr = next((item for item in parsed if isinstance(item, sympy.Basic)), None)
+    if not isinstance(expr, sympy.Expr):
+        return None
+    with time_limit(timeout):
+        if not expr.is_number:
+            return None
+        try:
+            value = complex(expr)
+        except (TypeError, ValueError, OverflowError, ZeroDivisionError):
+            return None
+        exact = expr.is_integer is True  # "2^{10}", "\\frac{54}{2}"; a Float such as 27.0 never is
+    if not (math.isfinite(value.real) and math.isfinite(value.imag)):
+        return None
+    return value, bool(exact)
+
+
+@contextmanager
+def time_limit(seconds: int) -> Iterator[None]:
+    """Raise TimeoutException after `seconds`, as math-verify does (never nested with its alarms)."""
+
+    def on_alarm(signum, frame):
+        raise TimeoutException("numeric evaluation timed out")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# A tiny evaluator for numbers written as Python, as some Minerva golds are ("np.arcsin(10/13)",
+# "-1./3", "4.5e33"): literals, + - * / **, and these names, bare or as np./numpy./math. attributes.
+_CONSTANTS = {"pi": math.pi, "e": math.e}
+_FUNCTIONS = {
+    "sqrt": math.sqrt, "exp": math.exp, "log": math.log, "log10": math.log10, "log2": math.log2,
+    "sin": math.sin, "cos": math.cos, "tan": math.tan, "arcsin": math.asin, "arccos": math.acos,
+    "arctan": math.atan, "asin": math.asin, "acos": math.acos, "atan": math.atan, "abs": abs,
+}
+_BINARY = {ast.Add: float.__add__, ast.Sub: float.__sub__, ast.Mult: float.__mul__,
+           ast.Div: float.__truediv__, ast.Pow: math.pow}
+
+
+def _literal_number(text: str) -> float | None:
+    """The value of `text` if it is a number written as Python (see above), else None."""
+    if "_" in text:  # Python reads "52_8" as 528; in a math answer "_" is a subscript (a base)
+        return None
+    try:
+        tree = ast.parse(_LEADING_ZEROS.sub("", text), mode="eval")  # "025": Python rejects leading zeros
+        value = _evaluate(tree.body)
+    except (SyntaxError, ValueError, TypeError, ArithmeticError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _evaluate(node: ast.AST) -> float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return float(node.value)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        value = _evaluate(node.operand)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        return _BINARY[type(node.op)](_evaluate(node.left), _evaluate(node.right))
+    if _name(node) in _CONSTANTS:
+        return _CONSTANTS[_name(node)]
+    if isinstance(node, ast.Call) and not node.keywords and _name(node.func) in _FUNCTIONS:
+        return float(_FUNCTIONS[_name(node.func)](*(_evaluate(arg) for arg in node.args)))
+    raise ValueError(f"not a number: {ast.dump(node)}")
+
+
+def _name(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in (
+            "np", "numpy", "math"):
+        return node.attr
+    return None
