@@ -98,6 +98,9 @@ def test_dataset_path_generates_the_heldout_split():
     assert small == items[:5]
     assert fingerprint(load(registry_spec("canary", generator_args={"variables": 8}))) != fingerprint(items)
     assert heldout_rows(2)[1]["index"] == "canary-1"
+    short = load(registry_spec("canary", generator_args={"size": 4, "steps_at_most": 20}))
+    assert [item.id for item in short] == [f"canary-{i}" for i, p in enumerate(HELDOUT) if p.steps <= 20][:4]
+    assert all(item in items for item in short)
 
 
 @pytest.mark.parametrize("settings,message", [

@@ -187,10 +187,17 @@ def reach_in_tokens(prompt: str, output: str, tokenizer) -> list[int]:
     return distances
 
 
-def heldout_rows(size: int = HELDOUT_SIZE, **knobs) -> list[dict[str, str]]:
-    """The held-out split as dataset rows (`index`, `question`, `true_answer`) for `evals.datasets`."""
+def heldout_rows(size: int = HELDOUT_SIZE, steps_at_most: int | None = None, **knobs) -> list[dict[str, str]]:
+    """The held-out split as dataset rows (`index`, `question`, `true_answer`) for `evals.datasets`.
+
+    With `steps_at_most`, only the items of the 200-item split with at most that many steps, the first
+    `size` of them (a cheaper subset: the demo's), each keeping its index in the split.
+    """
+    programs = list(enumerate(CanaryTask(**knobs).heldout(size if steps_at_most is None else HELDOUT_SIZE)))
+    if steps_at_most is not None:
+        programs = [(index, program) for index, program in programs if program.steps <= steps_at_most]
     return [{"index": f"canary-{index}", "question": program.question(), "true_answer": str(program.answer)}
-            for index, program in enumerate(CanaryTask(**knobs).heldout(size))]
+            for index, program in programs[:size]]
 
 
 def main(argv: list[str] | None = None) -> int:
