@@ -47,9 +47,11 @@ test: $(ENV)  ## the whole suite (CPU; Triton kernels through its interpreter; G
 test-fast: $(ENV)  ## without the end-to-end runs marked slow
 	$(PY) -m pytest -q -m "not slow"
 
-demo: $(ENV)  ## every method on the tiny model and the embedded demo set, then the table and a plot
-	$(PY) -m evals.run -m experiment=demo method=vanilla,streaming,h2o,vatp,rkv,longflow
+demo: $(ENV)  ## the canary model on 16 canary items, CPU: every method at three KV budgets, fidelity at the smallest; tables, plots
+	$(PY) -m evals.run -m experiment=demo
+	$(PY) -m evals.run -m experiment=demo budget=96 fidelity=true method=streaming,h2o,vatp,rkv,longflow
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table
+	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_agreement --metric fidelity.agreement
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_kv_slots --metric peak_kv_slots
 	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_tokens_per_s --metric tokens_per_second
 	$(PY) -m evals.figures --runs results/demo/runs --out results/demo

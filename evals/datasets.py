@@ -1,8 +1,9 @@
 """Benchmark items: loading, GPQA option handling, and the registry of dataset specs.
 
-A dataset is a `DatasetSpec` (the Hydra group `dataset` maps 1:1 onto its fields) and loads either
-from a local JSONL file (`root` set) or from the Hugging Face hub (`hub_id`). The local schema is the
-one of the LongFlow paper's files, one object a line: `index`, `question`, `true_answer`.
+A dataset is a `DatasetSpec` (the Hydra group `dataset` maps 1:1 onto its fields) and loads from a
+local JSONL file (`root` set), from the Hugging Face hub (`hub_id`), or from a generator function in
+code (`generator`: the canary task). The local schema is the one of the LongFlow paper's files, one
+object a line: `index`, `question`, `true_answer`; generators yield rows of that schema.
 
 GPQA items carry their four options in `Item.choices`, shuffled per question by a seeded RNG so the
 gold letter is uniform (the paper's files always have the gold first, "A"). `Item.question` is then
@@ -12,6 +13,7 @@ the stem alone; `evals.prompts` renders the options.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import random
 import re
@@ -56,7 +58,9 @@ GOLD_TRANSFORMS = {"gsm8k_final": _gsm8k_final}
 class DatasetSpec:
     """Where a benchmark's items come from and how the source's fields map onto `Item`.
 
-    Two sources, chosen by `root`:
+    Three sources:
+      - generated (`generator` set): the rows that the function `generator` ("module:function")
+        returns when called with `generator_args`, read with `fields` like a local file's.
       - local (`root` set): the JSONL file `<root>/<file>`, read with `fields`, which maps our names
         (id, question, gold) to the file's; keys left out take the paper's schema (index, question,
         true_answer). GPQA options sit inside the question as "A: ..." lines, as in the paper's file.
@@ -79,6 +83,8 @@ class DatasetSpec:
     hub_fields: dict[str, str | None] = field(default_factory=dict)
     choice_fields: list[str] | None = None
     gold_transform: str | None = None
+    generator: str | None = None
+    generator_args: dict[str, Any] = field(default_factory=dict)
     shuffle_choices: bool = True
     seed: int = 0
 
@@ -89,8 +95,11 @@ class DatasetSpec:
             raise UserError(f"dataset.kind must be one of {list(KINDS)}, got {self.kind!r}")
         if self.file is None:
             self.file = f"{self.name}.jsonl"
-        if self.root is None and self.hub_id is None:
+        if self.root is None and self.hub_id is None and self.generator is None:
             raise UserError(f"dataset {self.name}: set dataset.root (a local folder) or dataset.hub_id")
+        if self.generator is not None and not re.fullmatch(r"[\w.]+:\w+", self.generator):
+            raise UserError(f"dataset {self.name}: generator must be 'module:function', got {self.generator!r}")
+        self.generator_args = dict(self.generator_args)
         # Plain containers from here on, whatever mapping type the caller passed.
         self.fields = _field_map("fields", {**LOCAL_FIELDS, **dict(self.fields)})
         self.hub_fields = _field_map("hub_fields", {**self.fields, **dict(self.hub_fields)})
@@ -106,8 +115,11 @@ class DatasetSpec:
             raise UserError(f"dataset.seed must be an integer, got {self.seed!r}")
 
     @property
-    def local(self) -> bool:
-        return self.root is not None
+    def source(self) -> str:
+        """"generated", "local" or "hub": a generator wins over a folder, a folder over the hub."""
+        if self.generator is not None:
+            return "generated"
+        return "local" if self.root is not None else "hub"
 
 
 def _field_map(key: str, fields: dict[str, str | None]) -> dict[str, str | None]:
@@ -123,7 +135,9 @@ def load(spec: DatasetSpec, limit: int | None = None) -> list[Item]:
     """The spec's items in source order, the first `limit` of them if given."""
     if limit is not None and limit <= 0:
         raise UserError(f"limit must be positive or null, got {limit}")
-    if spec.local:
+    if spec.source == "generated":
+        source, rows, fields = f"generator {spec.generator}", _generated_rows(spec), spec.fields
+    elif spec.source == "local":
         path = Path(spec.root) / spec.file
         source, rows, fields = str(path), _jsonl_rows(path), spec.fields
     else:
@@ -197,6 +211,19 @@ def _jsonl_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _generated_rows(spec: DatasetSpec) -> list[dict[str, Any]]:
+    module, function = spec.generator.split(":")
+    try:
+        generate = getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as error:
+        raise UserError(f"dataset {spec.name}: cannot import generator {spec.generator}: {error}") from None
+    try:
+        return list(generate(**spec.generator_args))
+    except TypeError as error:
+        raise UserError(f"dataset {spec.name}: generator_args {spec.generator_args} do not fit "
+                        f"{spec.generator}: {error}") from None
+
+
 def _hub_rows(spec: DatasetSpec) -> Iterable[Mapping[str, Any]]:
     # Imported here: `datasets` is slow to import and only the hub source needs it.
     import datasets
@@ -216,7 +243,7 @@ def _item(spec: DatasetSpec, fields: dict[str, str | None], row: Mapping[str, An
         name = fields[key]
         if name not in row:
             raise UserError(f"{where}: no field {name!r} (for {key}); available: {sorted(row)}. Map it with "
-                            f"dataset.{'fields' if spec.local else 'hub_fields'}")
+                            f"dataset.{'hub_fields' if spec.source == 'hub' else 'fields'}")
         return _text(row[name])
 
     item_id = str(position) if fields["id"] is None else value("id")
@@ -226,7 +253,7 @@ def _item(spec: DatasetSpec, fields: dict[str, str | None], row: Mapping[str, An
         raise UserError(f"{where}: the question is empty")
     if spec.kind == "math":
         return Item(id=item_id, question=question, gold=_gold(spec, value("gold"), where))
-    if spec.local or spec.choice_fields is None:
+    if spec.source != "hub" or spec.choice_fields is None:
         question, options = split_options(question, where)
         letter = _gold(spec, value("gold"), where).strip().upper()
         if len(letter) != 1 or letter not in LETTERS:
@@ -257,8 +284,8 @@ def _text(value: Any) -> str:
 
 
 def _gold(spec: DatasetSpec, gold: str, where: str) -> str:
-    """The gold after the hub's `gold_transform`; local golds are final answers already."""
-    if spec.local or spec.gold_transform is None:
+    """The gold after the hub's `gold_transform`; local and generated golds are final answers already."""
+    if spec.source != "hub" or spec.gold_transform is None:
         return gold
     try:
         return GOLD_TRANSFORMS[spec.gold_transform](gold)
@@ -295,6 +322,7 @@ REGISTRY: dict[str, DatasetSpec] = {
                     hub_fields={"id": "id", "question": "question", "gold": "final_answer"}),
         DatasetSpec("demo_math", root=DEMO_ROOT),
         DatasetSpec("demo_gpqa", kind="gpqa", root=DEMO_ROOT),
+        DatasetSpec("canary", generator="evals.canary.task:heldout_rows"),
     )
 }
 

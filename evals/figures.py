@@ -5,7 +5,8 @@ accuracy across model sizes (the paper's Figure 4), and teacher-forced fidelity.
                             [--generation G] [--only sweep|lengths|sizes|fidelity]
 
 `sweep` (drawn by default): with several KV budgets, `accuracy_vs_budget.png` (one panel per model
-and dataset, one line per method, FullKV as a dashed horizontal line), the paper's figure
+and dataset, one line per method, FullKV as a dashed horizontal line), `accuracy_by_method.png` (the same
+curves, one panel per method, each against the FullKV line), the paper's figure
 `budget_grid_<model>.png|pdf` (a panel per dataset and one for their average, sized for a paper's
 text width) and `throughput_vs_budget.png` (tokens/s and decode-step latency p50 per budget, means
 over the datasets); with one budget, `methods.png`, bars of accuracy and tokens/s per method.
@@ -46,6 +47,7 @@ REFERENCE_COLOR = "0.25"
 PANEL = (4.0, 3.0)  # inches per panel
 LATENCY = "step_latency_ms.p50"
 HATCH = "//"  # bars of incomplete runs
+BY_METHOD_COLUMNS = 3
 
 
 def prepare(runs: pd.DataFrame) -> pd.DataFrame:
@@ -155,6 +157,32 @@ def plot_accuracy(runs: pd.DataFrame, out_dir: Path) -> Path:
     return save(figure, out_dir / "accuracy_vs_budget.png")
 
 
+def plot_accuracy_by_method(runs: pd.DataFrame, out_dir: Path) -> Path:
+    """Accuracy vs KV budget, one panel per compressed method and (model, dataset), each with the full
+    cache as its reference line: one method's curve read alone, on a shared y axis. Panels wrap at
+    `BY_METHOD_COLUMNS` per row."""
+    cells = list(runs[["model", "dataset_label"]].drop_duplicates().itertuples(index=False, name=None))
+    methods = list(runs.loc[runs["method"] != REFERENCE, "series"].drop_duplicates())
+    panels = [(cell, series) for cell in cells for series in methods]
+    columns = min(BY_METHOD_COLUMNS, len(panels))
+    palette = colors(runs)
+    figure, axes = new_figure(-(-len(panels) // columns), columns)
+    for index, ((model, dataset), series) in enumerate(panels):
+        ax = axes[index // columns][index % columns]
+        cell = runs[(runs["model"] == model) & (runs["dataset_label"] == dataset)]
+        draw_lines(ax, cell[(cell["method"] == REFERENCE) | (cell["series"] == series)], "accuracy", palette)
+        ax.set_title(series if len(cells) == 1 else f"{series}: {model}, {dataset}", fontsize=10)
+        ax.set_ylabel("accuracy (%)")
+        ax.set_ylim(0, 105)
+    for index in range(len(panels), len(axes) * columns):
+        axes[index // columns][index % columns].set_visible(False)
+    if len(cells) == 1:
+        size = runs["dataset_size"].max()
+        figure.suptitle(f"{cells[0][0]}: {cells[0][1]}" + ("" if pd.isna(size) else f" ({int(size)})"), fontsize=10)
+    add_legend(figure, runs)
+    return save(figure, out_dir / "accuracy_by_method.png")
+
+
 def plot_throughput(runs: pd.DataFrame, out_dir: Path) -> Path:
     """Tokens/s and decode-step latency p50 vs KV budget, per model, means over the datasets."""
     models = runs["model"].unique()
@@ -219,7 +247,8 @@ def plot_budget_sweep(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
     budgets = runs.loc[runs["method"] != REFERENCE, "budget"].dropna().unique()
     if len(budgets) <= 1:
         return [plot_methods(runs, out_dir)]
-    return [plot_accuracy(runs, out_dir), *plot_budget_grid(runs, out_dir), plot_throughput(runs, out_dir)]
+    return [plot_accuracy(runs, out_dir), plot_accuracy_by_method(runs, out_dir), *plot_budget_grid(runs, out_dir),
+            plot_throughput(runs, out_dir)]
 
 
 # --- figures for a paper: text width, small type, PNG and PDF -------------------------------------

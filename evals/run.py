@@ -1,6 +1,6 @@
 """The entry point: `python -m evals.run [overrides]` evaluates a model x method x budget on datasets.
 
-    python -m evals.run                                   # the embedded default (tiny model, demo set)
+    python -m evals.run                                   # the embedded default: the canary model and task
     python -m evals.run model=r1_distill_llama_8b method=longflow budget=2400 dataset=all
     python -m evals.run -m method=vanilla,h2o,longflow budget=1024,2048 dataset=gsm8k limit=64
 
@@ -150,7 +150,7 @@ class Setup:
         from evals.store import stable_hash
 
         spec, random = self.model, self.model.weights == "random"
-        return {
+        identity = {
             "model": spec.name, "hub_id": spec.hub_id, "revision": spec.revision, "weights": spec.weights,
             "architecture": spec.architecture if random else None, "init_seed": spec.init_seed if random else None,
             "dtype": spec.dtype, "thinks": spec.thinks,
@@ -161,6 +161,42 @@ class Setup:
             # The prompt format, not the rendered prompts: `limit` only selects which items are done.
             "template": stable_hash([getattr(tokenizer, "chat_template", None), self.protocol, spec.thinks]),
         }
+        checkpoint = None if random else checkpoint_fingerprint(spec.hub_id)
+        if checkpoint is not None:  # absent for hub ids: their revision names the weights
+            identity["checkpoint"] = checkpoint
+        return identity
+
+
+_FINGERPRINTS: dict[tuple, str] = {}  # (name, size, mtime) of a folder's files -> their content hash
+
+
+def checkpoint_fingerprint(hub_id: str) -> str | None:
+    """Content hash of a local checkpoint folder's weights, config and tokenizer, or None for a hub id.
+
+    A local folder has no revision: without this, retraining the model in place (the canary) would
+    resume the old model's runs. Files are read in blocks and each folder state is hashed once per
+    process: an 8B checkpoint is 16 GB.
+    """
+    import hashlib
+    from functools import partial
+
+    from longflow.models import checkpoint_location
+
+    folder = Path(checkpoint_location(hub_id))
+    if not folder.is_dir():
+        return None
+    files = [path for path in sorted(folder.iterdir())
+             if path.suffix in (".json", ".safetensors", ".jinja") and path.name != "train_log.json"]
+    state = tuple((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in files)
+    if state not in _FINGERPRINTS:
+        digest = hashlib.sha256()
+        for path in files:
+            digest.update(path.name.encode())
+            with path.open("rb") as handle:
+                for block in iter(partial(handle.read, 1 << 24), b""):
+                    digest.update(block)
+        _FINGERPRINTS[state] = digest.hexdigest()[:16]
+    return _FINGERPRINTS[state]
 
 
 def _check_keys(section: Any, allowed: tuple[str, ...], name: str) -> None:

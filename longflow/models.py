@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
@@ -19,6 +20,7 @@ from longflow.errors import UserError
 from longflow.tokenizer import CHAT_FORMATS, build_tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,17 @@ class ModelSpec:
             raise UserError(f"model.chat_format must be one of {sorted(CHAT_FORMATS)}, got {self.chat_format!r}")
         if self.weights == "random" and "model_type" not in self.architecture:
             raise UserError(f"model {self.name!r}: weights=random needs architecture.model_type")
+
+
+def checkpoint_location(hub_id: str) -> str:
+    """`hub_id` as `from_pretrained` should get it. A relative path that is no folder under the working
+    directory but one under the project root (the canary's `evals/canary/model`) becomes that folder,
+    so that configs name committed checkpoints without an absolute path and runs work from any
+    directory; anything else (a hub id, an absolute or existing path) is returned as it is."""
+    path = Path(hub_id).expanduser()
+    if path.is_absolute() or path.is_dir():
+        return str(path)
+    return str(PROJECT_ROOT / path) if (PROJECT_ROOT / path).is_dir() else hub_id
 
 
 def check_device(device: str) -> None:
@@ -96,12 +109,13 @@ def load_model(spec: ModelSpec, device: torch.device) -> tuple[PreTrainedModel, 
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         model.generation_config.bos_token_id = tokenizer.bos_token_id
     else:
+        location = checkpoint_location(spec.hub_id)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(spec.hub_id, revision=spec.revision)
+            tokenizer = AutoTokenizer.from_pretrained(location, revision=spec.revision)
             # device_map puts each weight on the device as it is read: an 8B model never takes a
             # second copy in host memory.
             model = AutoModelForCausalLM.from_pretrained(
-                spec.hub_id, revision=spec.revision, dtype=dtype, device_map=str(device)
+                location, revision=spec.revision, dtype=dtype, device_map=str(device)
             )
         except OSError as error:
             raise UserError(

@@ -8,6 +8,8 @@ switch, or R1-Distill's template that ends the generation prompt with "<think>\\
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -53,14 +55,20 @@ CHAT_FORMATS = {
 }
 
 
-def build_tokenizer(vocab_size: int, chat_format: str = "qwen3") -> PreTrainedTokenizerFast:
-    """A byte-level tokenizer with exactly `vocab_size` ids and the family's chat template."""
+def build_tokenizer(vocab_size: int, chat_format: str = "qwen3", words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with exactly `vocab_size` ids and the family's chat template.
+
+    `words` become single tokens wherever they occur in a text (the longest one wins where several
+    start at the same place): the domain vocabulary of a model trained with this tokenizer, such as
+    the canary's numbers. They are not special, so decoding keeps them.
+    """
     if chat_format not in CHAT_FORMATS:
         raise ValueError(f"unknown chat_format {chat_format!r}; choose one of {sorted(CHAT_FORMATS)}")
     fmt = CHAT_FORMATS[chat_format]
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}
-    for token in fmt["special"] + THINK_TAGS:
+    whole = THINK_TAGS + [word for word in words if word not in vocab and word not in THINK_TAGS]
+    for token in fmt["special"] + whole:
         vocab[token] = len(vocab)
     if vocab_size < len(vocab):
         raise ValueError(f"vocab_size {vocab_size} is below the {len(vocab)} byte and special tokens")
@@ -76,6 +84,6 @@ def build_tokenizer(vocab_size: int, chat_format: str = "qwen3") -> PreTrainedTo
         bos_token=fmt["bos"],
         additional_special_tokens=[t for t in fmt["special"] if t not in (fmt["eos"], fmt["pad"], fmt["bos"])],
     )
-    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in THINK_TAGS])
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in whole])
     tokenizer.chat_template = fmt["template"]
     return tokenizer

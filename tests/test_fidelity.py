@@ -314,7 +314,7 @@ def test_fidelity_figure(tmp_path, capsys):
     assert is_png(plot_fidelity(collect(root), tmp_path / "figs"))
     assert figures_main(["--runs", str(root), "--out", str(tmp_path / "all")]) == 0
     printed = [p.rsplit("/", 1)[-1] for p in capsys.readouterr().out.split()]
-    assert {"accuracy_vs_budget.png", "throughput_vs_budget.png"} < set(printed)
+    assert {"accuracy_vs_budget.png", "accuracy_by_method.png", "throughput_vs_budget.png"} < set(printed)
     assert printed[-1] == "fidelity_vs_step.png"  # drawn by default, after the sweep and the lengths
     without = tmp_path / "plain"
     write_run(without, "tiny_qwen3", "h2o", 128, "gsm8k", 0.5)

@@ -67,9 +67,10 @@ def is_figure(path) -> bool:
 def test_budget_sweep(tmp_path):
     runs = collect(sweep(tmp_path / "runs", [128, 256, 512]))
     paths = plot_budget_sweep(runs, tmp_path / "figs")
-    assert [p.name for p in paths] == ["accuracy_vs_budget.png", "budget_grid_tiny_llama.png",
-                                       "budget_grid_tiny_llama.pdf", "budget_grid_tiny_qwen3.png",
-                                       "budget_grid_tiny_qwen3.pdf", "throughput_vs_budget.png"]
+    assert [p.name for p in paths] == ["accuracy_vs_budget.png", "accuracy_by_method.png",
+                                       "budget_grid_tiny_llama.png", "budget_grid_tiny_llama.pdf",
+                                       "budget_grid_tiny_qwen3.png", "budget_grid_tiny_qwen3.pdf",
+                                       "throughput_vs_budget.png"]
     assert all(is_figure(p) for p in paths)
     prepared = prepare(runs)
     assert set(prepared["series"]) == {"FullKV", "StreamingLLM", "H2O", "H2O (lf_repo)", "R-KV", "LongFlow"}

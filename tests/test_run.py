@@ -385,3 +385,19 @@ def test_ctrl_c_is_one_line_and_the_run_resumes(tmp_path):
     assert int(match.group(1)) == len(records(Path(match.group(2))))
     result = run_cli(*BASE, "method=h2o", f"results_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
+
+
+def test_a_local_checkpoint_is_part_of_the_identity(tmp_path):
+    """A local folder has no revision: its weights' content names the run, so a retrained model starts
+    new runs instead of resuming the old model's."""
+    from evals.run import checkpoint_fingerprint
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "train_log.json").write_text("{}")
+    before = checkpoint_fingerprint(str(tmp_path))
+    (tmp_path / "train_log.json").write_text('{"note": 1}')  # not the model
+    assert checkpoint_fingerprint(str(tmp_path)) == before
+    (tmp_path / "model.safetensors").write_bytes(b"retrained")
+    assert checkpoint_fingerprint(str(tmp_path)) not in (before, None)
+    assert checkpoint_fingerprint("Qwen/Qwen3-8B") is None
