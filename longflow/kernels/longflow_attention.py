@@ -30,6 +30,12 @@ cost as much. The work is split in two launches (no memset, no host sync):
    index) goes into one int64 by `atomic_min` and the last range to finish writes the slot, so
    no third launch is needed (the attention pass initialises that state).
 
+The attention pass also serves plain decode attention (`flash_decode`, vanilla's): with `SCORE`
+off it writes no scratch, and with `BOUNDED` each program reads its row's filled length from a
+device tensor and splits only those slots among the grid's programs, so the grid stays static (one
+CUDA graph for the whole generation) while the bytes read follow the filled slots, not the
+allocated capacity; `_combine_kernel` (the score kernel's combine alone) merges the splits.
+
 Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, D head dim.
 """
 
