@@ -28,7 +28,7 @@ Deviations from the paper, `paper` variant: StreamingLLM assigns positions by in
 cache (keys are cached before RoPE and re-rotated), so the distance between a sink and the window
 stays bounded. Here, as for every method of this harness, keys are cached after RoPE with their
 real positions, which keep counting after eviction. The selection does not use attention; decode
-attention is the shared eager `decode_attention`, as for every method (vanilla included), so step
+attention is the shared eager `decode_attention`, as for the other scoring methods, so their step
 times compare eviction alone.
 
 Deviations from the authors' runs, `lf_repo` variant: with batches, their `SinkCache` takes the

@@ -3,6 +3,13 @@
 Slots are allocated for the whole padded prompt plus `max_new_tokens`, and token t of the output
 goes to slot `L + t`, so the cache holds tokens in position order like HF's `DynamicCache`.
 `budget` is accepted for a uniform interface and ignored; `variant` too (the full cache has none).
+
+Decode attention reads only the slots filled so far (prompt + tokens written), not the whole
+allocation: on CUDA through the flash-decoding kernel `longflow.kernels.flash_decode`, whose grid
+is static and which reads each row's filled length on the device, so the step stays one CUDA
+graph. `use_kernel`: `auto` (that kernel on CUDA, the eager two-matmul attention of
+`longflow.attention` on the CPU, exact over all slots since free ones are masked), `triton`
+(the kernel everywhere, through Triton's interpreter on the CPU: tests) or `eager`.
 """
 
 from __future__ import annotations
@@ -12,21 +19,28 @@ from dataclasses import dataclass
 import torch
 
 from longflow.attention import decode_attention
+from longflow.errors import UserError
+from longflow.kernels import flash_decode
 from longflow.policy import ALIGN, CacheSpec, KVPolicy, round_up
+
+KERNELS = ("auto", "triton", "eager")
 
 
 @dataclass(eq=False)
 class VanillaPolicy(KVPolicy):
     variant: str = "paper"
+    use_kernel: str = "auto"
 
     name = "vanilla"
 
     def __post_init__(self):
         self.budget = None
         super().__post_init__()
+        if self.use_kernel not in KERNELS:
+            raise UserError(f"{self.name}: use_kernel must be one of {KERNELS}, got {self.use_kernel!r}")
 
     def capacity(self, spec: CacheSpec) -> int:
-        # Rounded up so that the decode matmuls' rows stay 16-byte aligned (see `ALIGN`).
+        # Rounded up so that the eager decode matmuls' rows stay 16-byte aligned (see `ALIGN`).
         return round_up(spec.prompt_len + spec.max_new_tokens, ALIGN)
 
     def prefill_keep(self, spec: CacheSpec) -> int:
@@ -36,9 +50,11 @@ class VanillaPolicy(KVPolicy):
         self.next_slot[layer].fill_(self.spec.prompt_len)
 
     def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        # The same eager attention as the scoring methods (K/V read once, no repeat_kv), so that
-        # their step-time difference is the cost of scoring and eviction alone.
         slots = self.layers[layer]
+        next_slot = self.next_slot[layer]  # [B, Hkv], every head equal
+        # The step's token is in slot next_slot: after the increment it is the count of filled slots.
+        next_slot.add_(1)
+        if self.use_kernel == "triton" or (self.use_kernel == "auto" and q.is_cuda):
+            return flash_decode(q, slots.keys, slots.values, slots.valid[:, 0], next_slot[:, 0], scale)
         out, _ = decode_attention(q, slots.keys, slots.values, slots.valid, scale)
-        self.next_slot[layer].add_(1)
         return out

@@ -1,6 +1,7 @@
 """The engine on a GPU: CUDA-graph decoding gives HF's tokens, and every method config of conf/method/
 (TOVA, KeyDiff, Expected Attention and the AMS variants included) is graph-safe, in generation and in
-the teacher-forced fidelity pass."""
+the teacher-forced fidelity pass; vanilla's flash-decoding kernel replays with lengths that change
+between replays."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import pytest
 import torch
 from conftest import COMPRESSING, FAMILIES, method_variants, policy_of, tiny_spec
 from test_engine import TEXTS, hf_generate
+from test_flash_decode import filled_attention
 
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine
 from longflow.fidelity import teacher_force
+from longflow.kernels import flash_decode
 from longflow.models import eos_token_ids, load_model
 
 # Small budgets shrink the compression interval of interval methods, with a warning expected here.
@@ -31,6 +34,44 @@ def test_graph_decoding_matches_hf_generate(tiny_cuda):
     result = engine.generate(prompts, GenerationConfig(max_new_tokens=40), [0, 1, 2])
     assert result.cuda_graph
     assert result.tokens == hf_generate(model, tokenizer, prompts, max_new_tokens=40, do_sample=False)
+
+
+def test_vanilla_flash_decoding_under_graphs_equals_eager_and_hf(tiny_cuda):
+    """Vanilla through its kernel (use_kernel auto on CUDA), ragged prompts and 300 steps: the filled
+    length grows over many tiles and several splits while the graph replays."""
+    model, tokenizer = tiny_cuda
+    prompts = [tokenizer(t * 4)["input_ids"] for t in TEXTS]
+    eos = eos_token_ids(model, tokenizer)
+
+    def run(cuda_graph):
+        engine = Engine(model, lambda: policy_of("vanilla", None), eos, tokenizer.pad_token_id,
+                        EngineConfig(cuda_graph=cuda_graph))
+        return engine.generate(prompts, GenerationConfig(max_new_tokens=300), [0, 1, 2])
+
+    graphed, eager = run(True), run(False)
+    assert graphed.cuda_graph and not eager.cuda_graph
+    assert graphed.tokens == eager.tokens
+    assert graphed.tokens == hf_generate(model, tokenizer, prompts, max_new_tokens=300, do_sample=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_flash_decode_replays_with_new_lengths(dtype):
+    """One captured call at Qwen3-8B's head shapes; new per-row lengths copied in before each replay."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = 2 * torch.randn(4, 32, 128, generator=gen, device="cuda", dtype=dtype)
+    k, v = (torch.randn(4, 8, 4096, 128, generator=gen, device="cuda", dtype=dtype) for _ in range(2))
+    valid = torch.arange(4096, device="cuda")[None, :] >= torch.tensor([0, 0, 30, 7], device="cuda")[:, None]
+    lengths = torch.full((4,), 4096, device="cuda")
+    flash_decode(q, k, v, valid, lengths)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flash_decode(q, k, v, valid, lengths)
+    for new in ([4096, 1, 95, 2049], [700, 701, 4000, 128], [3000, 3000, 3000, 3000]):
+        lengths.copy_(torch.tensor(new))
+        graph.replay()
+        expected = filled_attention(q, k, v, valid, lengths, 128**-0.5)
+        error = (out.double() - expected).norm() / expected.norm()
+        assert error < (1e-2 if dtype == torch.bfloat16 else 1e-4), f"lengths {new}: relative error {error:.2e}"
 
 
 @pytest.mark.parametrize("method", COMPRESSING)

@@ -30,6 +30,12 @@ cost as much. The work is split in two launches (no memset, no host sync):
    index) goes into one int64 by `atomic_min` and the last range to finish writes the slot, so
    no third launch is needed (the attention pass initialises that state).
 
+The attention pass also serves plain decode attention (`flash_decode`, vanilla's): with `SCORE`
+off it writes no scratch, and with `BOUNDED` each program reads its row's filled length from a
+device tensor and splits only those slots among the grid's programs, so the grid stays static (one
+CUDA graph for the whole generation) while the bytes read follow the filled slots, not the
+allocated capacity; `_combine_kernel` (the score kernel's combine alone) merges the splits.
+
 Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, D head dim.
 """
 
@@ -75,16 +81,17 @@ def _min(x, AXIS: tl.constexpr):
 
 @triton.jit
 def _partial_kernel(
-    Q, K, V, VALID, T, TREF, M_PART, L_PART, ACC, OUT, BEST, ARRIVED,
+    Q, K, V, VALID, LENGTHS, T, TREF, M_PART, L_PART, ACC, OUT, BEST, ARRIVED,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_valid_b, stride_valid_s,
+    stride_valid_b, stride_valid_s, stride_lengths,
     n_slots, n_tiles, chunk, n_splits, qk_scale,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr, SCRATCH_FP16: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr,
     VNORM_MMA: tl.constexpr, KV_EVICT: tl.constexpr, T_EVICT: tl.constexpr,
+    SCORE: tl.constexpr, BOUNDED: tl.constexpr,
 ):
     tl.static_assert(GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
@@ -93,10 +100,11 @@ def _partial_kernel(
     split = tl.program_id(1)
     b = (pid // KV_HEADS).to(tl.int64)
     kv_head = pid % KV_HEADS
-    if (kv_head == 0) & (split == 0):
-        # The score kernel's cross-program argmin state for row b (it runs after this grid).
-        tl.store(BEST + b, 9223372036854775807)
-        tl.store(ARRIVED + b, 0)
+    if SCORE:
+        if (kv_head == 0) & (split == 0):
+            # The score kernel's cross-program argmin state for row b (it runs after this grid).
+            tl.store(BEST + b, 9223372036854775807)
+            tl.store(ARRIVED + b, 0)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -116,8 +124,18 @@ def _partial_kernel(
     l_i = tl.full([GROUP_PAD], 0.0, tl.float32)
     acc = tl.full([GROUP_PAD, HEAD_DIM_PAD], 0.0, tl.float32)
 
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, n_slots)
+    if BOUNDED:
+        # Only the row's first `filled` slots: the splits share them (whole tiles each), so the
+        # static grid spreads the bytes actually read; a split past them runs no iteration and
+        # writes an empty partial (m = -inf, l = 0) that the combine weighs 0.
+        filled = tl.minimum(tl.load(LENGTHS + b * stride_lengths).to(tl.int32), n_slots)
+        tiles = (filled + BLOCK_N - 1) // BLOCK_N  # by hand: tl.cdiv is one of the jit wrappers above
+        chunk = (tiles + n_splits - 1) // n_splits * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, filled)
+    else:
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, n_slots)
     valid_row = VALID + b * stride_valid_b
     # The mask is loaded one tile ahead (PREFETCH): a byte per slot is below the 4 bytes of an
     # asynchronous copy, so the compiler does not pipeline it, and an in-loop load would stall
@@ -125,7 +143,7 @@ def _partial_kernel(
     ok_next = tl.load(valid_row + (lo + offs_n) * stride_valid_s, mask=(lo + offs_n) < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         slots = start + offs_n
-        s_ok = slots < n_slots
+        s_ok = slots < hi
         if PREFETCH:
             ok = ok_next != 0
             ok_next = tl.load(valid_row + (slots + BLOCK_N) * stride_valid_s, mask=(slots + BLOCK_N) < hi, other=0)
@@ -159,27 +177,28 @@ def _partial_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-        # Score scratch: t = logit + log2 ||v||_1, so that p * ||v||_1 = exp2(t - m) / l later.
-        # ||v_j||_1 comes from the tensor cores, ones @ |v|^T, already in the layout of the logits
-        # (every row equal): a reduction over D would need shuffles and a layout conversion.
-        # Floored at 1e-30 so that zero vectors and padding give a very negative number, not -inf.
-        if not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
-            vnorm = _sum(tl.abs(v.to(tl.float32)), 1)[None, :]
-        elif FP32_DOT:
-            ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, tl.float32)
-            vnorm = tl.dot(ones, tl.trans(tl.abs(v.to(tl.float32))), input_precision="ieee")
-        else:
-            ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
-            vnorm = tl.dot(ones, tl.trans(tl.abs(v)))
-        log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N] (rows equal) or [1, BLOCK_N]
-        t_mask = g_ok[:, None] & s_ok[None, :]
-        if SCRATCH_FP16:
-            # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
-            u = s - m_use[:, None] + log_vnorm
-            tl.store(t_rows + slots[None, :], u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
-            tl.store(TREF + rows * n_tiles + start // BLOCK_N, m_use, mask=g_ok)
-        else:
-            tl.store(t_rows + slots[None, :], s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
+        if SCORE:
+            # Score scratch: t = logit + log2 ||v||_1, so that p * ||v||_1 = exp2(t - m) / l later.
+            # ||v_j||_1 comes from the tensor cores, ones @ |v|^T, already in the layout of the logits
+            # (every row equal): a reduction over D would need shuffles and a layout conversion.
+            # Floored at 1e-30 so that zero vectors and padding give a very negative number, not -inf.
+            if not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
+                vnorm = _sum(tl.abs(v.to(tl.float32)), 1)[None, :]
+            elif FP32_DOT:
+                ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, tl.float32)
+                vnorm = tl.dot(ones, tl.trans(tl.abs(v.to(tl.float32))), input_precision="ieee")
+            else:
+                ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
+                vnorm = tl.dot(ones, tl.trans(tl.abs(v)))
+            log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N] (rows equal) or [1, BLOCK_N]
+            t_mask = g_ok[:, None] & s_ok[None, :]
+            if SCRATCH_FP16:
+                # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
+                u = s - m_use[:, None] + log_vnorm
+                tl.store(t_rows + slots[None, :], u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
+                tl.store(TREF + rows * n_tiles + start // BLOCK_N, m_use, mask=g_ok)
+            else:
+                tl.store(t_rows + slots[None, :], s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
 
     tl.store(M_PART + rows * n_splits + split, m_i, mask=g_ok)
     tl.store(L_PART + rows * n_splits + split, l_i, mask=g_ok)
@@ -205,10 +224,8 @@ def _score_kernel(
     part = tl.program_id(1)
     offs_h = tl.arange(0, Q_HEADS_PAD)
     offs_p = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
     h_ok = offs_h < Q_HEADS
     p_ok = offs_p < n_splits
-    d_ok = offs_d < HEAD_DIM
 
     # Final softmax statistics of every query head from the per-split partials.
     rows = b * Q_HEADS + offs_h
@@ -222,27 +239,8 @@ def _score_kernel(
     inv_l = tl.where(l_fin > 0, 1.0 / tl.where(l_fin > 0, l_fin, 1.0), 0.0)
 
     if not ONE_SPLIT:
-        # Flash-decoding combine of the partial outputs, for this program's share of the heads,
-        # HEAD_TILE heads at a time with all their splits in one load ([HEAD_TILE, SPLITS_PAD, D]):
-        # a loop over the splits would wait a full memory latency per split.
-        offs_ht = tl.arange(0, HEAD_TILE)
-        for h0 in range(0, heads_per_part, HEAD_TILE):
-            local = h0 + offs_ht
-            heads = part * heads_per_part + local
-            ht_ok = (heads < Q_HEADS) & (local < heads_per_part)
-            ht_rows = b * Q_HEADS + heads
-            ht_off = ht_rows[:, None] * n_splits + offs_p[None, :]  # [HEAD_TILE, SPLITS_PAD]
-            ht_mask = ht_ok[:, None] & p_ok[None, :]
-            m_ht = tl.load(M_PART + ht_off, mask=ht_mask, other=float("-inf"))
-            l_ht = tl.load(L_PART + ht_off, mask=ht_mask, other=0.0)
-            m_ht_fin = _max(m_ht, 1)
-            weight = tl.exp2(m_ht - tl.where(m_ht_fin == float("-inf"), 0.0, m_ht_fin)[:, None])
-            l_ht_fin = _sum(l_ht * weight, 1)
-            acc = tl.load(ACC + ht_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                          mask=ht_mask[:, :, None] & d_ok[None, None, :], other=0.0)
-            out = _sum(acc * weight[:, :, None], 1) / tl.where(l_ht_fin > 0, l_ht_fin, 1.0)[:, None]
-            tl.store(OUT + ht_rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty),
-                     mask=ht_ok[:, None] & d_ok[None, :])
+        _combine_heads(M_PART, L_PART, ACC, OUT, b, part, heads_per_part, n_splits,
+                       Q_HEADS, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, HEAD_TILE)
 
     # Scores of this program's slot range and their argmin: free slots first (key -1, scores are
     # >= 0), protected slots last (+inf), the lowest index among ties. A tile is [SUBTILES, SUBTILE]
@@ -293,6 +291,46 @@ def _score_kernel(
         if arrived == n_parts - 1:
             best = tl.atomic_min(BEST + b, packed, sem="acquire")  # the minimum over every part
             tl.store(NEXT_SLOT + b, best & 2147483647)
+
+
+@triton.jit
+def _combine_heads(M_PART, L_PART, ACC, OUT, b, part, heads_per_part, n_splits,
+                   Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                   SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr):
+    """Flash-decoding combine of the partial outputs of row b, for part `part`'s share of the heads,
+    HEAD_TILE heads at a time with all their splits in one load ([HEAD_TILE, SPLITS_PAD, D]): a loop
+    over the splits would wait a full memory latency per split."""
+    offs_p = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    p_ok = offs_p < n_splits
+    d_ok = offs_d < HEAD_DIM
+    offs_ht = tl.arange(0, HEAD_TILE)
+    for h0 in range(0, heads_per_part, HEAD_TILE):
+        local = h0 + offs_ht
+        heads = part * heads_per_part + local
+        ht_ok = (heads < Q_HEADS) & (local < heads_per_part)
+        ht_rows = b * Q_HEADS + heads
+        ht_off = ht_rows[:, None] * n_splits + offs_p[None, :]  # [HEAD_TILE, SPLITS_PAD]
+        ht_mask = ht_ok[:, None] & p_ok[None, :]
+        m_ht = tl.load(M_PART + ht_off, mask=ht_mask, other=float("-inf"))
+        l_ht = tl.load(L_PART + ht_off, mask=ht_mask, other=0.0)
+        m_ht_fin = _max(m_ht, 1)
+        weight = tl.exp2(m_ht - tl.where(m_ht_fin == float("-inf"), 0.0, m_ht_fin)[:, None])
+        l_ht_fin = _sum(l_ht * weight, 1)
+        acc = tl.load(ACC + ht_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                      mask=ht_mask[:, :, None] & d_ok[None, None, :], other=0.0)
+        out = _sum(acc * weight[:, :, None], 1) / tl.where(l_ht_fin > 0, l_ht_fin, 1.0)[:, None]
+        tl.store(OUT + ht_rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=ht_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(M_PART, L_PART, ACC, OUT, heads_per_part, n_splits,
+                    Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                    SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr):
+    """The combine alone, grid `(B, parts)`: the second launch of `flash_decode`."""
+    _combine_heads(M_PART, L_PART, ACC, OUT, tl.program_id(0).to(tl.int64), tl.program_id(1), heads_per_part,
+                   n_splits, Q_HEADS, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, HEAD_TILE)
 
 
 @triton.jit
@@ -490,22 +528,21 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False):
 
     head_dim_pad = triton.next_power_of_2(head_dim)
     _partial_kernel[(batch * kv_heads, splits)](
-        q, k, v, valid_u8, scratch, tile_ref, m_part, l_part, acc, out, best, arrived,
-        *q.stride(), *k.stride(), *v.stride(), *valid_u8.stride(),
+        q, k, v, valid_u8, valid_u8, scratch, tile_ref, m_part, l_part, acc, out, best, arrived,
+        *q.stride(), *k.stride(), *v.stride(), *valid_u8.stride(), 0,
         slots, n_tiles, chunk, splits, scale * LOG2E,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         ONE_SPLIT=splits == 1, SCRATCH_FP16=fp16_scratch, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
         VNORM_MMA=config.vnorm == "mma", KV_EVICT="evict_first" if config.l2_hints else "",
-        T_EVICT="evict_last" if config.l2_hints else "",
+        T_EVICT="evict_last" if config.l2_hints else "", SCORE=True, BOUNDED=False,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if attention_only:
         return out, None
     heads_per_part = triton.cdiv(q_heads, score_splits)
     splits_pad = triton.next_power_of_2(splits)
-    # Heads combined at once: all splits of HEAD_TILE heads in at most 8192 fp32 registers' worth.
-    head_tile = min(triton.next_power_of_2(heads_per_part), max(1, 8192 // (splits_pad * head_dim_pad)))
+    head_tile = _head_tile(heads_per_part, splits_pad, head_dim_pad)
     _score_kernel[(batch, score_splits)](
         scratch, tile_ref, m_part, l_part, acc, out, valid_u8, protect_u8, best, arrived, next_slot,
         *valid_u8.stride(), *protect_u8.stride(),
@@ -519,4 +556,89 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False):
     return out, next_slot
 
 
-__all__ = ["LaunchConfig", "default_config", "longflow_attention"]
+def _head_tile(heads_per_part: int, splits_pad: int, head_dim_pad: int) -> int:
+    """Heads combined at once: all splits of HEAD_TILE heads in at most 8192 fp32 registers' worth."""
+    return min(triton.next_power_of_2(heads_per_part), max(1, 8192 // (splits_pad * head_dim_pad)))
+
+
+def flash_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float | None = None,
+    *,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """Plain decode attention over each row's filled slots (flash-decoding), no score, no host sync.
+
+    The attention pass of `longflow_attention` without its scratch: the grid is static (the splits
+    of the heuristic for the whole capacity, so that a CUDA graph can hold it), and each program
+    reads row b's filled length on the device and takes its share of slots [0, lengths[b]) only:
+    the bytes read per step follow the filled slots, not the capacity. A second launch combines
+    the splits' partial softmaxes (none when the heuristic gives one split).
+
+    Args:
+        q: `[B, Hq, D]`; k, v: `[B, Hkv, S, D]` slot caches, any strides.
+        valid: `[B, S]` bool, False for free or padding slots; may be a strided view.
+        lengths: `[B]` integer, slots filled per row (clamped to S); slots from lengths[b] on are never
+            read, whatever `valid` says. May be a strided view (`next_slot[:, 0]`).
+        scale: softmax scale, `D ** -0.5` when None.
+        config: tiling override (tests); `block_n`, `num_warps`, `num_stages` and `splits` are used.
+
+    Returns:
+        `[B, Hq, D]` in the dtype of q: the softmax over the valid slots among the filled ones
+        (0 for a row with none).
+    """
+    _check_inputs(q, k, v, valid, None)
+    batch = q.shape[0]
+    integer = not lengths.dtype.is_floating_point and not lengths.dtype.is_complex and lengths.dtype != torch.bool
+    if lengths.dim() != 1 or lengths.shape[0] != batch or not integer:
+        raise ValueError(f"lengths must be a [batch] = [{batch}] integer tensor, got {lengths.dtype} "
+                         f"{tuple(lengths.shape)}")
+    if lengths.device != q.device:
+        raise ValueError(f"lengths is on {lengths.device}, q on {q.device}")
+    _, q_heads, head_dim = q.shape
+    _, kv_heads, slots, _ = k.shape
+    scale = head_dim**-0.5 if scale is None else float(scale)
+    sms = _multiprocessors(q.device)
+    if config is None:
+        config = default_config(batch, kv_heads, q_heads, slots, head_dim, sms, _l2_bytes(q.device))
+    splits = min(config.splits, triton.cdiv(slots, config.block_n))
+    fp32_dot = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+    f32 = torch.float32
+    out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)
+    m_part = torch.empty(batch, q_heads, splits, dtype=f32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    acc = torch.empty(batch, q_heads, splits, head_dim, dtype=f32, device=q.device) if splits > 1 else m_part
+    valid_u8 = valid.view(torch.uint8)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    # Pointers of the score's buffers (T, TREF, BEST, ARRIVED) are never touched with SCORE off.
+    _partial_kernel[(batch * kv_heads, splits)](
+        q, k, v, valid_u8, lengths, m_part, m_part, m_part, l_part, acc, out, m_part, m_part,
+        *q.stride(), *k.stride(), *v.stride(), *valid_u8.stride(), lengths.stride(0),
+        slots, 1, 0, splits, scale * LOG2E,
+        KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(q_heads // kv_heads)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
+        ONE_SPLIT=splits == 1, SCRATCH_FP16=False, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
+        VNORM_MMA=False, KV_EVICT="evict_first" if config.l2_hints else "", T_EVICT="",
+        SCORE=False, BOUNDED=True,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if splits == 1:
+        return out
+    # The combine spread over about 4 programs per multiprocessor: at batch 1 one program per head.
+    parts = max(1, min(q_heads, triton.cdiv(4 * sms, batch)))
+    heads_per_part = triton.cdiv(q_heads, parts)
+    splits_pad = triton.next_power_of_2(splits)
+    _combine_kernel[(batch, triton.cdiv(q_heads, heads_per_part))](
+        m_part, l_part, acc, out, heads_per_part, splits,
+        Q_HEADS=q_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad,
+        HEAD_TILE=_head_tile(heads_per_part, splits_pad, head_dim_pad), num_warps=config.score_warps,
+    )
+    return out
+
+
+__all__ = ["LaunchConfig", "default_config", "flash_decode", "longflow_attention"]
