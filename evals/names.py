@@ -14,9 +14,13 @@ DATASET_NAMES = {
     "olympiadbench": "OlympiadBench",
 }
 DATASET_ORDER = ["AIME24", "AIME25", "AMC", "GPQA", "GSM8K", "MATH-500", "Minerva", "OlympiadBench"]
-# Registry names -> display names, in the table's row order; other methods follow alphabetically.
+# Method config names -> display names, in the table's row order (the LongFlow paper's methods, then
+# the later ones, LongFlow last); a method not listed here shows its config name, after all of these.
 METHOD_NAMES = {"vanilla": "FullKV", "streaming": "StreamingLLM", "h2o": "H2O", "vatp": "VATP",
-                "rkv": "R-KV", "longflow": "LongFlow"}
+                "rkv": "R-KV", "tova": "TOVA", "keydiff": "KeyDiff", "expected_attention": "Expected Attention",
+                "ams_tova": "AMS (TOVA)", "ams_keydiff": "AMS (KeyDiff)",
+                "ams_expected_attention": "AMS (Expected Attention)", "ams_rkv": "AMS (R-KV)",
+                "ams_longflow": "AMS (LongFlow)", "longflow": "LongFlow"}
 # conf/model keys -> the names papers use (DeepSeek's distilled models without the "DeepSeek-").
 MODEL_NAMES = {
     "qwen3_4b": "Qwen3-4B", "qwen3_8b": "Qwen3-8B", "r1_distill_llama_8b": "R1-Distill-Llama-8B",
