@@ -74,7 +74,12 @@ def prepare(runs: pd.DataFrame) -> pd.DataFrame:
 def colors(runs: pd.DataFrame) -> dict[str, str]:
     """A fixed colour per series, in table order, so every figure of a call agrees."""
     compressed = list(runs.loc[runs["method"] != REFERENCE, "series"].drop_duplicates())
-    mapping = {s: f"C{i % 10}" for i, s in enumerate(compressed)}
+    if len(compressed) <= 10:
+        mapping = {s: f"C{i}" for i, s in enumerate(compressed)}
+    else:  # matplotlib's default cycle has 10 colours: beyond that, 20 distinct ones (then they repeat)
+        tab20 = matplotlib.colormaps["tab20"].colors  # hue pairs (dark, light): the dark ones first
+        palette = [matplotlib.colors.to_hex(c) for c in tab20[0::2] + tab20[1::2]]
+        mapping = {s: palette[i % 20] for i, s in enumerate(compressed)}
     mapping.update({s: REFERENCE_COLOR for s in runs.loc[runs["method"] == REFERENCE, "series"].unique()})
     return mapping
 

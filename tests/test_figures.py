@@ -10,6 +10,7 @@ import pytest
 
 from evals.figures import (
     AVERAGE,
+    colors,
     main,
     output_lengths,
     plot_budget_grid,
@@ -157,3 +158,12 @@ def test_model_sizes(tmp_path, monkeypatch, capsys):
     assert main(["--runs", str(root), "--out", str(tmp_path / "f"), "--only", "sizes", "--budget", "256"]) == 0
     assert [p.rsplit("/", 1)[-1] for p in capsys.readouterr().out.split()] == ["model_sizes.png", "model_sizes.pdf"]
     assert is_figure(tmp_path / "f" / "model_sizes.pdf")
+
+
+@pytest.mark.parametrize("methods", [6, 14])
+def test_every_series_has_its_own_colour(methods):
+    """Up to 20 compressed series get distinct colours (matplotlib's default cycle has only 10)."""
+    runs = pd.DataFrame({"method": ["vanilla"] + [f"m{i}" for i in range(methods)],
+                         "series": ["FullKV"] + [f"M{i}" for i in range(methods)]})
+    palette = colors(runs)
+    assert len(set(palette.values())) == methods + 1
