@@ -231,10 +231,7 @@ class AMSPolicy(KVPolicy):
             if not holds:
                 raise UserError(f"{self.name}: needs {rule}")
         if self.budget is not None:
-            interval = shrink_interval(self.name, self.budget, self.compress_every, least_kept=2)
-            if self.budget - interval < 2:
-                raise UserError(f"{self.name}: budget {self.budget} too small for a compression to keep 2 slots")
-            self.keep_after = self.budget - interval
+            self.keep_after = self.budget - shrink_interval(self.name, self.budget, self.compress_every, least_kept=2)
 
     def slot_state(self) -> dict[str, SlotState]:
         return {"credit": SlotState()} if self.use_credit else {}

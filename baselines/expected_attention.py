@@ -119,11 +119,9 @@ class ExpectedAttentionPolicy(KVPolicy):
         if self.query_stats is not None:
             load_calibration(self.query_stats, self.name, STATS)  # a bad file fails before any model loads
         if self.budget is not None:
-            interval = shrink_interval(self.name, self.budget, self.compress_every, least_kept=self.n_sink + 1)
-            if self.budget - interval <= self.n_sink:
-                raise UserError(f"{self.name}: budget {self.budget} too small: a compression must keep more "
-                                f"than the {self.n_sink} sinks")
-            self.keep_after = self.budget - interval
+            # least_kept: a compression must keep more than the sinks
+            self.keep_after = self.budget - shrink_interval(self.name, self.budget, self.compress_every,
+                                                            least_kept=self.n_sink + 1)
 
     def query_window(self) -> int:
         return 0 if self.query_stats is not None else self.n_queries

@@ -55,10 +55,7 @@ class KeyDiffPolicy(KVPolicy):
         if self.compress_every < 1:
             raise UserError(f"{self.name}: compress_every must be >= 1, got {self.compress_every}")
         if self.budget is not None:
-            interval = shrink_interval(self.name, self.budget, self.compress_every, least_kept=1)
-            if self.budget - interval < 1:
-                raise UserError(f"{self.name}: budget {self.budget} too small for a compression to keep a token")
-            self.keep_after = self.budget - interval
+            self.keep_after = self.budget - shrink_interval(self.name, self.budget, self.compress_every, least_kept=1)
 
     def score(self, obs: Observation) -> torch.Tensor:
         return keydiff_scores(obs.keys, obs.valid)

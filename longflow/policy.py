@@ -85,14 +85,16 @@ class CacheSpec:
 def shrink_interval(name: str, budget: int, compress_every: int, least_kept: int) -> int:
     """The compression interval of an interval method under the cap (capacity = budget, cut to budget -
     interval): `compress_every`, or, when a cut would keep fewer than `least_kept` slots (a budget
-    below the interval: the demo's, a small sweep point), a quarter of the budget, with a warning
-    (none when that does not fit either: the caller refuses the budget)."""
+    below the interval: the demo's, a small sweep point), a quarter of the budget, with a warning.
+    Raises UserError when even that cut would keep fewer than `least_kept`."""
     if budget - compress_every >= least_kept:
         return compress_every
     shrunk = max(2, budget // 4)
-    if budget - shrunk >= least_kept:
-        warnings.warn(f"{name}: budget {budget} leaves no room for compress_every={compress_every}; using {shrunk}",
-                      stacklevel=4)
+    if budget - shrunk < least_kept:
+        raise UserError(f"{name}: budget {budget} too small: a compression must keep at least {least_kept} "
+                        f"slot{'s' if least_kept > 1 else ''}")
+    warnings.warn(f"{name}: budget {budget} leaves no room for compress_every={compress_every}; using {shrunk}",
+                  stacklevel=4)
     return shrunk
 
 

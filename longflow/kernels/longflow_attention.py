@@ -582,7 +582,7 @@ def flash_decode(
     Args:
         q: `[B, Hq, D]`; k, v: `[B, Hkv, S, D]` slot caches, any strides.
         valid: `[B, S]` bool, False for free or padding slots; may be a strided view.
-        lengths: `[B]` integer, slots filled per row (clamped to S); slots from lengths[b] on are never
+        lengths: `[B]` int32 or int64, slots filled per row (clamped to S); slots from lengths[b] on are never
             read, whatever `valid` says. May be a strided view (`next_slot[:, 0]`).
         scale: softmax scale, `D ** -0.5` when None.
         config: tiling override (tests); `block_n`, `num_warps`, `num_stages` and `splits` are used.
@@ -593,9 +593,8 @@ def flash_decode(
     """
     _check_inputs(q, k, v, valid, None)
     batch = q.shape[0]
-    integer = not lengths.dtype.is_floating_point and not lengths.dtype.is_complex and lengths.dtype != torch.bool
-    if lengths.dim() != 1 or lengths.shape[0] != batch or not integer:
-        raise ValueError(f"lengths must be a [batch] = [{batch}] integer tensor, got {lengths.dtype} "
+    if lengths.dim() != 1 or lengths.shape[0] != batch or lengths.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"lengths must be a [batch] = [{batch}] int32 or int64 tensor, got {lengths.dtype} "
                          f"{tuple(lengths.shape)}")
     if lengths.device != q.device:
         raise ValueError(f"lengths is on {lengths.device}, q on {q.device}")
