@@ -91,13 +91,16 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs: batch size and CUDA-graph capture of the decode step.
+    """How the engine runs: batch size, CUDA-graph capture and compilation of the decode step.
 
-    Neither changes the tokens produced, so neither is part of a run's identity.
+    None changes the tokens produced, so none is part of a run's identity. `compile`: the decode
+    step's model forward through `torch.compile` (`longflow.compile`), on a GPU only: on the CPU,
+    where the tests run, compiling costs more than it saves, and the option is ignored like `cuda_graph`.
     """
 
     batch_size: int = 64
     cuda_graph: bool = True
+    compile: bool = True
     check_every: int = 16  # decode steps between host checks for "every row finished"
 
     def __post_init__(self):

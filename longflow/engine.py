@@ -21,6 +21,7 @@ import torch
 from transformers import PreTrainedModel
 
 from longflow.cache import PolicyCache
+from longflow.compile import compiled_decode
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.policy import ALIGN, CacheSpec, KVPolicy, round_up
 from longflow.sampling import select_tokens
@@ -86,6 +87,8 @@ class Engine:
         # Handed to the policies that re-rotate cached keys (StreamingLLM's `lf_repo`), so that they
         # use the model's own frequencies and scaling (Llama 3.1's `rope_scaling` included).
         self.rotary = getattr(model.get_decoder(), "rotary_emb", None)
+        # The decode steps' forward, compiled (`longflow.compile`); None: the model's own, eagerly.
+        self.decode_forward = compiled_decode(model) if self.config.compile and self.device.type == "cuda" else None
 
     # ---- the steps ---------------------------------------------------------------------------
 
@@ -98,7 +101,8 @@ class Engine:
         """
         policy = cache.policy
         observes = policy.observes
-        output = self.model(
+        model = self.model if policy.prefilling or self.decode_forward is None else self.decode_forward
+        output = model(
             input_ids=input_ids,
             position_ids=positions,
             past_key_values=cache,

@@ -1,7 +1,7 @@
 """The engine on a GPU: CUDA-graph decoding gives HF's tokens, and every method config of conf/method/
 (TOVA, KeyDiff, Expected Attention and the AMS variants included) is graph-safe, in generation and in
 the teacher-forced fidelity pass; vanilla's flash-decoding kernel replays with lengths that change
-between replays."""
+between replays; the compiled decode forward gives the tokens of the eager one."""
 
 from __future__ import annotations
 
@@ -145,3 +145,24 @@ def test_graphs_give_the_eager_tokens(tiny_cuda, method, variant):
     assert graphed.cuda_graph and not eager.cuda_graph
     assert graphed.tokens == eager.tokens
     assert max(graphed.peak_slots) <= budget
+
+
+@pytest.mark.parametrize("method,budget", [("vanilla", None), ("longflow", 48)])
+def test_compiled_decoding_gives_the_uncompiled_tokens(tiny_cuda, method, budget):
+    """Inductor's kernels inside the engine's CUDA graph against the eager forward, 300 steps, LongFlow
+    evicting at every one. The tiny models are fp32: fusion reorders the sums of RMSNorm and the
+    softmax, which moves logits by about 1e-6 relative, far below the gap between the two best logits
+    of a random model; in bf16 rounding moves them by about 1e-2 and a near-tie could flip a token."""
+    model, tokenizer = tiny_cuda
+    prompts = [tokenizer(t * 4)["input_ids"] for t in TEXTS]
+
+    def run(compile_step):
+        engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id,
+                        EngineConfig(compile=compile_step))
+        result = engine.generate(prompts, GenerationConfig(max_new_tokens=300, ignore_eos=True), [0, 1, 2])
+        return engine.decode_forward, result
+
+    (compiled, result), (_, eager) = run(True), run(False)
+    assert not compiled.failed and compiled.compile_seconds > 0
+    assert result.cuda_graph and eager.cuda_graph
+    assert result.tokens == eager.tokens

@@ -1,0 +1,135 @@
+"""The decode step's model forward through `torch.compile`, the KV policy one opaque op per layer.
+
+Inside the engine's CUDA graph the eager forward still launches every elementwise op as its own
+kernel: RMSNorm's casts, square, mean, rsqrt and products, the rotary embedding's halves and
+concatenation, SwiGLU, the residual adds; a few microseconds each, a few dozen per layer. Inductor
+fuses them around the matmuls. What is compiled is a call of the transformers model itself, so its
+classes and extension points (`Cache`, `AttentionInterface`) stay as they are.
+
+The policy's part of a layer (the slot write of `PolicyCache.update`, the attention of `kv_policy`,
+the choice of the next slot) is Python over the policy's own buffers, which Dynamo must not trace:
+every buffer would become a graph input mutated in place, and the policy, new for each batch, would
+fail the guards at every batch. The compiled forward therefore gets a stand-in cache
+(`OpaqueCache`) whose `update` stores nothing and whose policy's `attend` is the custom op
+`longflow::policy_decode`. That op runs the active policy's `store` then `attend`, eagerly: the
+order of the eager forward, where nothing reads the cache between the two. It declares no
+mutation, which is sound because the buffers it writes are read by no other op of the graph and the
+ops of successive layers are ordered by their data. The forward is then one graph with no break and
+its layers unrolled, the layer index a constant of each op call, so nothing recompiles per layer.
+
+Only decode steps (one token per row) are compiled; prefill runs eagerly. The batch size is
+specialised at the first compilation and made dynamic at the first other one (Dynamo's automatic
+dynamic shapes; a batch of 1 keeps its own graph). Compilation happens at the first decode step of
+a batch, which the engine runs eagerly before capturing its graph; Inductor's default mode, since
+the engine owns the CUDA graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import torch
+from torch._dynamo.utils import counters
+from transformers import Cache, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from longflow.policy import KVPolicy
+
+logger = logging.getLogger(__name__)
+
+# The policy whose decode step is running: set around each compiled call, read by the op.
+_active: list[KVPolicy] = []
+
+
+@torch.library.custom_op("longflow::policy_decode", mutates_args=())
+def policy_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                  scale: float) -> torch.Tensor:
+    """The active policy's decode step for `layer`: query `[B, Hq, 1, D]`, key and value
+    `[B, Hkv, 1, D]` after RoPE -> attention output `[B, 1, Hq, D]`."""
+    policy = _active[-1]
+    policy.store(layer, key, value)
+    return policy.attend(layer, query, key, value, scale).contiguous()
+
+
+@policy_decode.register_fake
+def _(query, key, value, layer, scale):
+    batch, heads, length, head_dim = query.shape
+    return query.new_empty(batch, length, heads, head_dim)
+
+
+class _OpaquePolicy:
+    """What `kv_policy_attention` calls as `kv_cache.policy.attend` inside the compiled forward."""
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return torch.ops.longflow.policy_decode(query, key, value, layer, scale)
+
+
+class OpaqueCache(Cache):
+    """Stands in for `PolicyCache` in the compiled forward: `update` hands the new token's key and
+    value on to the attention call, whose op stores them. One per compiled model, so that Dynamo's
+    guards on it hold for every batch."""
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[])
+        self.num_layers = num_layers
+        self.policy = _OpaquePolicy()
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+class CompiledDecode:
+    """The model's decode forward, compiled; called with the model's own keyword arguments.
+
+    `compile_seconds`: wall time of the calls that compiled (tracing, Inductor, the first run's
+    autotuning), summed; each compilation is also logged. After a compilation failure (a model
+    Dynamo cannot trace whole) it warns once and calls the model eagerly from then on.
+    """
+
+    def __init__(self, model: PreTrainedModel, backend: str = "inductor"):
+        self.model = model
+        self.cache = OpaqueCache(model.config.get_text_config().num_hidden_layers)
+        self.compiled = torch.compile(self._forward, backend=backend, fullgraph=True)
+        self.compile_seconds = 0.0
+        self.failed = False
+
+    def _forward(self, **kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+        output = self.model(past_key_values=self.cache, kv_cache=self.cache, **kwargs)
+        return output.logits, output.hidden_states
+
+    def __call__(self, *, past_key_values, kv_cache, **kwargs) -> CausalLMOutputWithPast:
+        if self.failed:
+            return self.model(past_key_values=past_key_values, kv_cache=kv_cache, **kwargs)
+        graphs = counters["stats"]["unique_graphs"]
+        start = time.perf_counter()
+        _active.append(kv_cache.policy)
+        try:
+            logits, hidden_states = self.compiled(**kwargs)
+        except torch._dynamo.exc.TorchDynamoException as error:  # raised while compiling, before any op ran
+            warnings.warn(f"torch.compile of the decode forward failed, decoding eagerly: {error}", stacklevel=2)
+            self.failed = True
+            return self.model(past_key_values=past_key_values, kv_cache=kv_cache, **kwargs)
+        finally:
+            _active.pop()
+        if counters["stats"]["unique_graphs"] != graphs:
+            seconds = time.perf_counter() - start
+            self.compile_seconds += seconds
+            logger.info("compiled the decode forward for a batch of %d in %.1f s", len(kwargs["input_ids"]), seconds)
+        return CausalLMOutputWithPast(logits=logits, hidden_states=hidden_states)
+
+
+def compiled_decode(model: PreTrainedModel) -> CompiledDecode:
+    """The model's one `CompiledDecode`, shared by every engine over it (kept on the model, so that
+    its compiled graphs live as long as the model)."""
+    if not isinstance(getattr(model, "longflow_compiled_decode", None), CompiledDecode):
+        model.longflow_compiled_decode = CompiledDecode(model)
+    return model.longflow_compiled_decode

@@ -1,0 +1,82 @@
+"""The compiled decode forward (`longflow.compile`) on the CPU, through Dynamo and AOTAutograd without
+Inductor (`aot_eager`, seconds instead of minutes of C++ compilation): one graph per batch size, no
+break and no recompile per layer or per step, the eager engine's tokens, two policies in lockstep.
+The GPU tests compile with Inductor (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import LONG_TEXTS, policy_of
+from torch._dynamo.utils import counters
+
+from longflow.compile import CompiledDecode
+from longflow.config import EngineConfig, GenerationConfig
+from longflow.engine import Engine
+from longflow.fidelity import teacher_force
+
+TEXTS = ["What is 2 + 3?", "hi", *LONG_TEXTS]
+
+
+def engine_of(tiny, method, budget, compiled=None):
+    model, tokenizer = tiny
+    engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id)
+    engine.decode_forward = compiled
+    return engine
+
+
+def graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("method,budget", [("vanilla", None), ("longflow", 12)])
+def test_compiled_decoding_gives_the_eager_tokens(tiny, method, budget):
+    """The budget of 12 slots is below every prompt: LongFlow compresses at prefill and evicts at every step."""
+    torch._dynamo.reset()
+    model, tokenizer = tiny
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    generation = GenerationConfig(max_new_tokens=30, ignore_eos=True)
+    compiled = CompiledDecode(model, backend="aot_eager")
+    expected = engine_of(tiny, method, budget).generate(prompts, generation, [0, 1, 2, 3])
+    before = graphs()
+    result = engine_of(tiny, method, budget, compiled).generate(prompts, generation, [0, 1, 2, 3])
+    assert result.tokens == expected.tokens
+    assert graphs() == before + 1  # fullgraph: a break would have raised; 29 steps, no recompile
+    assert not compiled.failed and compiled.compile_seconds > 0
+
+
+def test_batch_sizes_compile_twice_at_most(tiny):
+    """The first size is specialised, the second makes the batch dynamic, later sizes reuse that graph."""
+    torch._dynamo.reset()
+    model, tokenizer = tiny
+    compiled = CompiledDecode(model, backend="aot_eager")
+    generation = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    before = graphs()
+    for size in (4, 2, 3, 2):
+        prompts = [tokenizer(t)["input_ids"] for t in TEXTS[:size]]
+        expected = engine_of(tiny, "longflow", 12).generate(prompts, generation, list(range(size)))
+        result = engine_of(tiny, "longflow", 12, compiled).generate(prompts, generation, list(range(size)))
+        assert result.tokens == expected.tokens
+    assert graphs() == before + 2
+
+
+def test_teacher_forcing_runs_two_policies_through_one_compiled_forward(tiny):
+    torch._dynamo.reset()
+    model, tokenizer = tiny
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    generation = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+
+    def run(compiled):
+        return teacher_force(engine_of(tiny, "longflow", 12, compiled), prompts, generation,
+                             lambda: policy_of("vanilla", None))
+
+    eager, compiled = run(None), run(CompiledDecode(model, backend="aot_eager"))
+    assert compiled.tokens == eager.tokens
+    assert compiled.agreement == eager.agreement
+    torch.testing.assert_close(torch.tensor(compiled.kl), torch.tensor(eager.kl), rtol=1e-4, atol=1e-6)
+
+
+def test_the_engine_compiles_on_a_gpu_only(tiny):
+    model, tokenizer = tiny
+    engine = Engine(model, lambda: policy_of("vanilla", None), [], tokenizer.pad_token_id, EngineConfig(compile=True))
+    assert engine.decode_forward is None
