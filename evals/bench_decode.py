@@ -8,6 +8,9 @@ prompt tokens; EOS is ignored so every row generates exactly `--new` tokens. For
 prints tokens/s, ms per decode step (p50, p99), time to first token and peak device memory;
 `--hf-generate` adds transformers' `model.generate` (SDPA attention, DynamicCache) on the same
 model, batch and lengths. Writes a CSV beside the printed table. No Hydra: the GPU image lacks it.
+`--compile off,on` times every method with the decode forward eager, then compiled
+(`longflow.compile`, the engine's `compile` option); `compile_s` is the time spent compiling in
+that row's runs (the first compiled run of a batch size compiles, the others reuse its graph).
 
 Before timing, the first method runs `--settle` times untimed at full length: on an H200 the first
 method timed in a fresh process ran about 0.9 ms per step faster than the same method timed after
@@ -34,10 +37,13 @@ from longflow.methods import build_policy
 from longflow.models import load_model, resolve_device
 
 
-def bench_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda_graph: bool) -> dict:
+def bench_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda_graph: bool,
+                 compile_step: bool) -> dict:
     policy = build_policy(method_config(method), None if method == "vanilla" else budget)
     engine = Engine(model, lambda: copy.deepcopy(policy), eos_ids=[], pad_id=0,
-                    config=EngineConfig(batch_size=len(prompts), cuda_graph=cuda_graph))
+                    config=EngineConfig(batch_size=len(prompts), cuda_graph=cuda_graph, compile=compile_step))
+    compiled = engine.decode_forward
+    compile_before = compiled.compile_seconds if compiled else 0.0
     generation = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
     seeds = list(range(len(prompts)))
     engine.generate(prompts, GenerationConfig(max_new_tokens=4, ignore_eos=True), seeds)  # warm-up
@@ -51,6 +57,8 @@ def bench_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda
         "ttft_s": result.prefill_seconds,
         "peak_memory_gb": result.peak_memory_bytes / 2**30 if result.peak_memory_bytes else None,
         "peak_kv_slots": max(result.peak_slots), "cuda_graph": result.cuda_graph, "new_tokens": new_tokens,
+        "compiled": bool(compiled and not compiled.failed),
+        "compile_s": compiled.compile_seconds - compile_before if compiled else 0.0,
     }
 
 
@@ -80,13 +88,15 @@ def bench_hf_generate(model, prompts, new_tokens: int) -> dict:
         "method": "hf_generate (vanilla)", "budget": None, "tokens_per_s": len(prompts) * new_tokens / total,
         "step_ms_p50": step * 1e3, "step_ms_p99": None, "ttft_s": prefill,
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "peak_kv_slots": None, "cuda_graph": False, "new_tokens": new_tokens,
+        "peak_kv_slots": None, "cuda_graph": False, "new_tokens": new_tokens, "compiled": False, "compile_s": 0.0,
     }
 
 
 def report(row: dict) -> None:
     """One line as each method finishes: the runs of a full-size model take minutes."""
-    print(f"{row['method']}: {row['tokens_per_s']:.0f} tokens/s, {row['step_ms_p50']:.2f} ms per step", flush=True)
+    compiled = f", compiled (compiling took {row['compile_s']:.1f} s)" if row["compiled"] else ""
+    print(f"{row['method']}: {row['tokens_per_s']:.0f} tokens/s, {row['step_ms_p50']:.2f} ms per step{compiled}",
+          flush=True)
 
 
 def main() -> None:
@@ -101,6 +111,8 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default=None, help="default: the model config's")
     parser.add_argument("--no-cuda-graph", action="store_true")
+    parser.add_argument("--compile", default="on" if EngineConfig.compile else "off",
+                        help="on, off, or both as off,on: every method timed in each setting (default: the engine's)")
     parser.add_argument("--hf-generate", action="store_true", help="also time model.generate")
     parser.add_argument("--hf-new", type=int, default=None,
                         help="new tokens for model.generate (default --new); its step time barely depends on it")
@@ -118,12 +130,18 @@ def main() -> None:
     prompts = torch.randint(0, vocab // 2, (args.batch, args.prompt), generator=generator).tolist()
 
     methods = args.methods.split(",")
+    if not set(args.compile.split(",")) <= {"on", "off"}:
+        parser.error(f"--compile takes on, off or a comma-separated list of them, got {args.compile!r}")
+    settings = [value == "on" for value in args.compile.split(",")]
     for _ in range(args.settle):
-        bench_engine(model, methods[0], args.budget, prompts, args.new, not args.no_cuda_graph)
+        report(bench_engine(model, methods[0], args.budget, prompts, args.new, not args.no_cuda_graph, settings[0])
+               | {"method": f"{methods[0]} (settling run, not in the table)"})
     rows = []
-    for method in methods:
-        rows.append(bench_engine(model, method, args.budget, prompts, args.new, not args.no_cuda_graph))
-        report(rows[-1])
+    for compile_step in settings:
+        for method in methods:
+            rows.append(bench_engine(model, method, args.budget, prompts, args.new, not args.no_cuda_graph,
+                                     compile_step))
+            report(rows[-1])
     if args.hf_generate:
         rows.append(bench_hf_generate(model, prompts, args.hf_new or args.new))
         report(rows[-1])

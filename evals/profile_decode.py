@@ -1,0 +1,139 @@
+"""Where a decode step's time goes: the kernels of replayed decode steps, by category.
+
+    python -m evals.profile_decode --model qwen3_8b --batch 128 --prompt 512 --budget 1024 --step 500
+
+Runs the engine as `evals.bench_decode` does (random weights and prompt tokens, EOS ignored) up to
+decode step `--step`, profiles the next `--steps` steps, CUDA-graph replays, with torch.profiler
+(CUPTI records each kernel of a replayed graph), and prints, for each method and `--compile`
+setting: the kernels of one step by category (count, summed time, share) next to the step's wall
+time (the median of the unprofiled replays before), then the costliest kernels. At step 500 of
+prompt 512 the full cache holds 1012 slots, about its mean over 1024 new tokens. Categories come
+from the kernel names: cuBLAS matmuls, the policies' Triton attention kernels, Inductor's fused
+kernels, and PyTorch's own elementwise, reduction, indexing and copy kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from collections import defaultdict
+
+import numpy as np
+import pandas as pd
+import torch
+from torch.autograd import DeviceType
+
+from evals.configs import method_config, model_spec
+from longflow.config import EngineConfig, GenerationConfig
+from longflow.engine import Engine
+from longflow.methods import build_policy
+from longflow.models import load_model, resolve_device
+
+# First match wins: Inductor's kernel names carry the fused ops' names ("triton_poi_fused_index_...").
+CATEGORIES = (
+    ("policy attention (Triton)", ("_partial_kernel", "_score_kernel", "_combine_kernel")),
+    ("Inductor fused (Triton)", ("triton_",)),
+    ("matmul (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
+    ("indexing, scatter, gather", ("index", "scatter", "gather")),
+    ("reductions", ("reduce",)),
+    ("copies, casts, concatenation", ("copy", "cat", "memcpy", "memset")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    return next((label for label, keys in CATEGORIES if any(key in name for key in keys)), "other")
+
+
+def profiled_policy(policy, first: int, count: int, profiler):
+    """`policy` with the profiler started before step `first` and stopped after `count` steps."""
+
+    class Profiled(type(policy)):
+        def before_step(self, step):
+            eager = super().before_step(step)
+            if step == first:
+                torch.cuda.synchronize()
+                profiler.start()
+            return eager
+
+        def after_step(self, step):
+            super().after_step(step)
+            if step == first + count - 1:
+                torch.cuda.synchronize()
+                profiler.stop()
+
+    profiled = copy.deepcopy(policy)
+    profiled.__class__ = Profiled
+    return profiled
+
+
+def profile(model, method: str, budget: int, prompts, first: int, count: int, compile_step: bool):
+    """(kernel times `{name: [us per call]}` over the profiled steps, median wall ms of the replays before)."""
+    policy = build_policy(method_config(method), None if method == "vanilla" else budget)
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    engine = Engine(model, lambda: profiled_policy(policy, first, count, profiler), eos_ids=[], pad_id=0,
+                    config=EngineConfig(batch_size=len(prompts), compile=compile_step))
+    seeds = list(range(len(prompts)))
+    engine.generate(prompts, GenerationConfig(max_new_tokens=4, ignore_eos=True), seeds)  # compiles, if asked
+    result = engine.generate(prompts, GenerationConfig(max_new_tokens=first + count + 1, ignore_eos=True), seeds)
+    if not result.cuda_graph:
+        raise RuntimeError("the decode steps did not run as graph replays")
+    kernels = defaultdict(list)
+    for event in profiler.events():
+        if event.device_type == DeviceType.CUDA:
+            kernels[event.name].append(event.time_range.elapsed_us())
+    wall_ms = float(np.median(result.step_seconds[2:first])) * 1e3
+    return kernels, wall_ms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3_8b")
+    parser.add_argument("--methods", default="longflow,vanilla")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--step", type=int, default=500, help="first profiled decode step (>= 2: a replay)")
+    parser.add_argument("--steps", type=int, default=5, help="profiled steps, averaged")
+    parser.add_argument("--compile", default="off,on", help="on, off, or both as off,on")
+    parser.add_argument("--top", type=int, default=12, help="costliest kernels listed")
+    parser.add_argument("--out", default="results/profile_decode.csv")
+    args = parser.parse_args()
+    if args.step < 3:
+        parser.error("--step must be at least 3: steps 0 and 1 run eagerly and the wall time needs replays before it")
+    if not set(args.compile.split(",")) <= {"on", "off"}:
+        parser.error(f"--compile takes on, off or a comma-separated list of them, got {args.compile!r}")
+
+    spec = model_spec(args.model, weights="random")
+    device = resolve_device("cuda")
+    model, _ = load_model(spec, device)
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, vocab // 2, (args.batch, args.prompt), generator=generator).tolist()
+
+    rows = []
+    for setting in args.compile.split(","):
+        for method in args.methods.split(","):
+            kernels, wall_ms = profile(model, method, args.budget, prompts, args.step, args.steps, setting == "on")
+            by_category = defaultdict(lambda: [0, 0.0])
+            for name, times in kernels.items():
+                by_category[category(name)][0] += len(times) / args.steps
+                by_category[category(name)][1] += sum(times) / args.steps / 1e3
+            kernel_ms = sum(ms for _, ms in by_category.values())
+            print(f"\n{method}, compile {setting}: step {wall_ms:.2f} ms (replay wall time), kernels "
+                  f"{kernel_ms:.2f} ms in {sum(n for n, _ in by_category.values()):.0f} launches")
+            for label, (count, ms) in sorted(by_category.items(), key=lambda item: -item[1][1]):
+                print(f"  {label:32s} {count:6.0f} kernels {ms:7.3f} ms  {ms / wall_ms:6.1%} of the step")
+                rows.append(dict(method=method, compile=setting, category=label, kernels_per_step=count,
+                                 ms_per_step=ms, step_ms=wall_ms))
+            top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:args.top]
+            for name, times in top:
+                print(f"    {sum(times) / args.steps / 1e3:7.3f} ms  {len(times) / args.steps:5.0f}x  {name[:110]}")
+    pd.DataFrame(rows).assign(model=args.model, batch=args.batch, prompt=args.prompt, step=args.step,
+                              device=torch.cuda.get_device_name(device)).to_csv(args.out, index=False)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
