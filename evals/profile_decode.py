@@ -6,7 +6,7 @@ Runs the engine as `evals.bench_decode` does (random weights and prompt tokens, 
 decode step `--step`, profiles the next `--steps` steps, CUDA-graph replays, with torch.profiler
 (CUPTI records each kernel of a replayed graph), and prints, for each method and `--compile`
 setting: the kernels of one step by category (count, summed time, share) next to the step's wall
-time (the median of the unprofiled replays before), then the costliest kernels. At step 500 of
+time (the median of the 16 unprofiled replays just before), then the costliest kernels. At step 500 of
 prompt 512 the full cache holds 1012 slots, about its mean over 1024 new tokens. Categories come
 from the kernel names: cuBLAS matmuls, the policies' Triton attention kernels, Inductor's fused
 kernels, and PyTorch's own elementwise, reduction, indexing and copy kernels.
@@ -69,7 +69,8 @@ def profiled_policy(policy, first: int, count: int, profiler):
 
 
 def profile(model, method: str, budget: int, prompts, first: int, count: int, compile_step: bool):
-    """(kernel times `{name: [us per call]}` over the profiled steps, median wall ms of the replays before)."""
+    """(kernel times `{name: [us per call]}` over the profiled steps, median wall ms of the 16 replays
+    before: vanilla's step grows with the filled slots, so only the nearest steps compare)."""
     policy = build_policy(method_config(method), None if method == "vanilla" else budget)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
     engine = Engine(model, lambda: profiled_policy(policy, first, count, profiler), eos_ids=[], pad_id=0,
@@ -83,7 +84,7 @@ def profile(model, method: str, budget: int, prompts, first: int, count: int, co
     for event in profiler.events():
         if event.device_type == DeviceType.CUDA:
             kernels[event.name].append(event.time_range.elapsed_us())
-    wall_ms = float(np.median(result.step_seconds[2:first])) * 1e3
+    wall_ms = float(np.median(result.step_seconds[max(2, first - 16):first])) * 1e3
     return kernels, wall_ms
 
 
