@@ -91,18 +91,21 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs: batch size and CUDA-graph capture of the decode step.
+    """How the engine runs: batching, CUDA-graph capture of the decode step, host checks.
 
-    Neither changes the tokens produced, so neither is part of a run's identity.
+    None of them changes the tokens produced, so none is part of a run's identity.
+    `continuous`: continuous batching (`Engine.serve`: a finished row takes the next prompt at once)
+    rather than static batches (`Engine.generate`: a batch runs until its longest row ends).
     """
 
-    batch_size: int = 64
+    batch_size: int = 64  # rows decoding together
     cuda_graph: bool = True
-    check_every: int = 16  # decode steps between host checks for "every row finished"
+    check_every: int = 16  # decode steps between host checks for finished rows
+    continuous: bool = True
+    prefill_rows: int = 16  # most prompts prefilled together when finished rows are refilled
 
     def __post_init__(self):
         check_types(self, "engine")
-        if self.batch_size <= 0:
-            raise UserError(f"engine.batch_size must be positive, got {self.batch_size}")
-        if self.check_every <= 0:
-            raise UserError(f"engine.check_every must be positive, got {self.check_every}")
+        for name in ("batch_size", "check_every", "prefill_rows"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"engine.{name} must be positive, got {getattr(self, name)}")
