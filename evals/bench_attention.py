@@ -248,7 +248,7 @@ def plot(rows: list[dict], path: Path) -> None:
     points = list(dict.fromkeys((row["batch"], row["slots"]) for row in rows))
     point = min(points, key=lambda p: (abs(p[0] - FIGURE_POINT[0]), abs(p[1] - FIGURE_POINT[1])))
     at_point = {row["method"]: row["ms"] for row in rows if (row["batch"], row["slots"]) == point}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw=dict(width_ratios=[1, 2]))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw=dict(width_ratios=[1.3, 2]))
     names = {"h2o": "H2O", "longflow_fused": "LongFlow\n(fused)", "flash_decode": "flash_decode\n(vanilla)",
              "sdpa": "SDPA flash\n(no eviction)", "sdpa_packed": "SDPA flash\n(GQA packed)",
              "sdpa_cudnn": "SDPA cuDNN\n(GQA packed)"}
@@ -256,8 +256,8 @@ def plot(rows: list[dict], path: Path) -> None:
                "sdpa_packed": "tab:cyan", "sdpa_cudnn": "tab:purple"}
     labels = [m for m in names if m in at_point]
     bars = axes[0].bar([names[m] for m in labels], [at_point[m] for m in labels], color=[palette[m] for m in labels])
-    axes[0].bar_label(bars, fmt="%.3f ms")
-    axes[0].tick_params(axis="x", labelsize=8)
+    axes[0].bar_label(bars, fmt="%.3f", fontsize=7)
+    axes[0].tick_params(axis="x", labelsize=7)
     axes[0].set_ylabel("latency of one decode attention call (ms)")
     axes[0].set_title(f"batch {point[0]}, {point[1]} KV slots, Qwen3-8B shapes")
 
