@@ -192,7 +192,7 @@ class Estimate:
     """One batch's measured pieces and the whole output's time."""
 
     setup_seconds: float  # allocation, prefill and first token, as in `generate`
-    first_seconds: float  # the eager first decode step and the graph capture
+    first_seconds: float  # an eager decode step (the engine's first is one) and the graph capture
     points: np.ndarray  # the timed steps (window midpoints)
     step_seconds: np.ndarray  # mean time of a step without compression there
     compressions: int  # over the whole output
@@ -275,8 +275,8 @@ def measure(engine: Engine, factory: Callable[[], KVPolicy], prompts: list[list[
 
 
 def out_of_memory(error: BaseException | None) -> bool:
-    """Whether `error` is, or was raised while handling, a torch.OutOfMemoryError (a capture that runs
-    out of memory ends in the RuntimeError of the aborted capture)."""
+    """Whether `error` is, or was raised while handling, a torch.OutOfMemoryError: one raised inside
+    `torch.cuda.graph` can come out as the error of ending the aborted capture."""
     while error is not None:
         if isinstance(error, torch.OutOfMemoryError):
             return True
