@@ -229,7 +229,7 @@ def measure(engine: Engine, factory: Callable[[], KVPolicy], prompts: list[list[
     synchronize(device)
     start = time.perf_counter()
     input_ids, pad = engine.batch_inputs(prompts)
-    cache = engine.new_cache(factory, pad, generation)
+    cache = engine.new_cache(factory, len(prompts), pad.shape[1], generation)
     state = DecodeState(len(prompts), setting.new_tokens, engine.vocab, list(range(len(prompts))), engine.pad_id,
                         device, track_seen=False)
     engine.prefill(cache, state, input_ids, pad, generation)
