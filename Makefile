@@ -30,7 +30,7 @@ LAUNCH := $(if $(LAUNCHER),hydra/launcher=$(LAUNCHER) dataset=$(TABLE1_DATASETS)
 	$(if $(filter local_gpus,$(LAUNCHER)),$(if $(filter-out 0,$(GPUS)),hydra.launcher.gpus_per_node=$(GPUS))) \
 	$(if $(filter-out 1,$(SHARDS)),shard=$(shell seq -s, -f '%g/$(SHARDS)' 0 $$(($(SHARDS) - 1))))
 
-.PHONY: install test test-fast demo demo-sweep table1 table fig1 fig4 figures results lint clean
+.PHONY: install test test-fast demo demo-sweep table1 table fig1 fig3 fig4 figures results lint clean
 
 install: $(STAMP)
 
@@ -90,6 +90,9 @@ results: $(ENV)  ## every run's metrics in one long-format CSV (one row per run 
 
 fig1: $(ENV)  ## decode-attention microbenchmark (the paper's Figure 1); needs a CUDA GPU
 	$(PY) -m evals.bench_attention --out results
+
+fig3: $(ENV)  ## decode throughput vs batch size and the largest batch per method (the paper's Figure 3); needs a CUDA GPU
+	$(PY) -m evals.bench_throughput --out results
 
 lint: $(ENV)
 	$(PY) -m ruff check .

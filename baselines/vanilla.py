@@ -47,13 +47,15 @@ class VanillaPolicy(KVPolicy):
         return spec.prompt_len
 
     def on_prompt_stored(self, layer: int, kept: torch.Tensor) -> None:
-        self.next_slot[layer].fill_(self.spec.prompt_len)
+        self.next_slot[layer].fill_(kept.shape[-1])
 
     def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         slots = self.layers[layer]
         next_slot = self.next_slot[layer]  # [B, Hkv], every head equal
         # The step's token is in slot next_slot: after the increment it is the count of filled slots.
-        next_slot.add_(1)
+        # A sequence never fills the last slot (its last token is never stored); a row that decodes
+        # padding past its end (continuous batching) keeps overwriting that slot instead.
+        torch.clamp(next_slot + 1, max=slots.slots - 1, out=next_slot)
         if self.use_kernel == "triton" or (self.use_kernel == "auto" and q.is_cuda):
             return flash_decode(q, slots.keys, slots.values, slots.valid[:, 0], next_slot[:, 0], scale)
         out, _ = decode_attention(q, slots.keys, slots.values, slots.valid, scale)

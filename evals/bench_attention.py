@@ -9,12 +9,15 @@ Methods, on the same random cache at Qwen3-8B shapes (32 query heads, 8 KV heads
   - `sdpa`: `F.scaled_dot_product_attention` with `enable_gqa` and no mask, under the flash backend
     when it accepts the call (the backend used is recorded): the attention floor of a full cache.
   - `sdpa_packed`: the same attention with the G query heads of each KV head passed as G queries
-    (`[B, Hkv, G, D]`), the usual GQA decode formulation. Ratios (`x_sdpa`) are to the faster SDPA.
+    (`[B, Hkv, G, D]`), the usual GQA decode formulation.
+  - `sdpa_cudnn`: `sdpa_packed` under the cuDNN backend, when it accepts the call. Ratios
+    (`x_sdpa`) are to the fastest of the SDPA rows.
   - `h2o`: `longflow.attention.decode_attention` plus what H2O adds per step: the probabilities
     summed over each KV head's group, added into a running `[B, Hkv, S]` float32 score, and the
     next slot by the selection rule of every method (`longflow.selection.choose_next`).
   - `longflow_fused`: the Triton kernel (`longflow.kernels.longflow_attention`).
   - `longflow_reference`: its plain PyTorch reference.
+  - `flash_decode`: vanilla's decode attention (`longflow.kernels.flash_decode`), every slot filled.
 The policies see about 3% invalid slots (left padding). Timing: the calls of one method on several
 input sets (enough sets to hold over 3x the L2 cache, so each replay reads from memory, as a real
 decode step does) are captured in one CUDA graph; the time per call is the median over graph
@@ -43,7 +46,8 @@ from longflow.selection import choose_next
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B
 DTYPE = torch.bfloat16
-METHODS = ("sdpa", "sdpa_packed", "h2o", "longflow_fused", "longflow_reference")
+METHODS = ("sdpa", "sdpa_packed", "sdpa_cudnn", "h2o", "longflow_fused", "longflow_reference", "flash_decode")
+KERNELS = ("longflow_fused", "flash_decode")  # the project's kernels, each shown as a ratio to the best SDPA
 FIGURE_POINT = (128, 3200)  # the paper's Figure 1: batch 128, 3200 slots
 ROTATION_BYTES = 192 * 2**20  # input sets per timing hold at least this much (H200 L2: 60 MB)
 REPLAYS = 30
@@ -105,8 +109,8 @@ def cache_sets(batch: int, slots: int, device: torch.device) -> list[tuple]:
     return [make_cache(batch, slots, device, seed) for seed in range(count)]
 
 
-def sdpa_call(q, k, v, packed: bool = False):
-    """`(call, backend name)`: SDPA under the flash backend if it takes the call, else the default.
+def sdpa_call(q, k, v, packed: bool = False, backend: str = "flash"):
+    """`(call, backend name)`: SDPA under `backend` (flash or cudnn) if it takes the call, else the default.
 
     `packed`: the G query heads of a KV head passed as G queries of that head (`[B, Hkv, G, D]`),
     the GQA decode formulation that reads each K/V slot once; otherwise `[B, Hq, 1, D]` with
@@ -126,13 +130,15 @@ def sdpa_call(q, k, v, packed: bool = False):
         def plain():
             return F.scaled_dot_product_attention(q4, k, v, enable_gqa=True)
 
-    def flash():
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    chosen = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+    def call():
+        with sdpa_kernel(chosen):
             return plain()
 
     try:
-        flash()
-        return flash, "flash"
+        call()
+        return call, backend
     except RuntimeError:
         return plain, "default"
 
@@ -159,11 +165,14 @@ def floor_bytes(batch: int, slots: int) -> int:
 
 def method_calls(method: str, q, k, v, valid):
     """`(call, backend)` of one method on one input set."""
-    from longflow.kernels import longflow_attention
+    from longflow.kernels import flash_decode, longflow_attention
 
     scale = HEAD_DIM**-0.5
-    if method in ("sdpa", "sdpa_packed"):
-        return sdpa_call(q, k, v, packed=method == "sdpa_packed")
+    if method.startswith("sdpa"):
+        return sdpa_call(q, k, v, packed=method != "sdpa", backend="cudnn" if method == "sdpa_cudnn" else "flash")
+    if method == "flash_decode":
+        filled = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
+        return (lambda: flash_decode(q, k, v, valid, filled, scale)), "triton"
     if method == "h2o":
         return h2o_call(q, k, v, valid), "torch"
     if method == "longflow_fused":
@@ -181,8 +190,8 @@ def measure_point(batch: int, slots: int, methods, bandwidth: float, device: tor
         backends[method] = calls[0][1]
         times[method] = graph_ms([call for call, _ in calls])
         torch.cuda.empty_cache()
-    # The ratio is to the faster of the two SDPA formulations: the stricter comparison.
-    sdpa_ms = min(times[m] for m in ("sdpa", "sdpa_packed") if m in times) if "sdpa" in times else None
+    # The ratio is to the fastest SDPA formulation and backend: the stricter comparison.
+    sdpa_ms = min(ms for m, ms in times.items() if m.startswith("sdpa")) if "sdpa" in times else None
     return [
         dict(batch=batch, slots=slots, method=method, backend=backends[method], ms=round(ms, 5),
              floor_ms=round(floor_ms, 5), x_floor=round(ms / floor_ms, 3),
@@ -206,16 +215,16 @@ def print_table(rows: list[dict]) -> None:
     methods = list(dict.fromkeys(row["method"] for row in rows))
     points = list(dict.fromkeys((row["batch"], row["slots"]) for row in rows))
     by_key = {(row["batch"], row["slots"], row["method"]): row for row in rows}
+    kernels = [m for m in KERNELS if m in methods] if "sdpa" in methods else []
+    titles = {"longflow_fused": "fused/best sdpa", "flash_decode": "flash_decode/best sdpa"}
     header = f"{'batch':>5} {'slots':>5} {'floor ms':>9} " + " ".join(f"{m:>18}" for m in methods)
-    if "longflow_fused" in methods and "sdpa" in methods:
-        header += f" {'fused/best sdpa':>15}"
+    header += "".join(f" {titles[m]:>22}" for m in kernels)
     print(header)
     for batch, slots in points:
         first = by_key[(batch, slots, methods[0])]
         line = f"{batch:>5} {slots:>5} {first['floor_ms']:>9.4f} "
         line += " ".join(f"{by_key[(batch, slots, m)]['ms']:>18.4f}" for m in methods)
-        if "longflow_fused" in methods and "sdpa" in methods:
-            line += f" {by_key[(batch, slots, 'longflow_fused')]['x_sdpa']:>15.3f}"
+        line += "".join(f" {by_key[(batch, slots, m)]['x_sdpa']:>22.3f}" for m in kernels)
         print(line)
     sdpa_backends = {row["backend"] for row in rows if row["method"].startswith("sdpa")}
     if sdpa_backends:
@@ -239,32 +248,38 @@ def plot(rows: list[dict], path: Path) -> None:
     points = list(dict.fromkeys((row["batch"], row["slots"]) for row in rows))
     point = min(points, key=lambda p: (abs(p[0] - FIGURE_POINT[0]), abs(p[1] - FIGURE_POINT[1])))
     at_point = {row["method"]: row["ms"] for row in rows if (row["batch"], row["slots"]) == point}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw=dict(width_ratios=[1, 2]))
-    labels = [m for m in ("h2o", "longflow_fused", "sdpa", "sdpa_packed") if m in at_point]
-    names = {"h2o": "H2O", "longflow_fused": "LongFlow\n(fused)", "sdpa": "SDPA flash\n(no eviction)",
-             "sdpa_packed": "SDPA flash\n(GQA packed)"}
-    bars = axes[0].bar([names[m] for m in labels], [at_point[m] for m in labels],
-                       color=["tab:gray", "tab:red", "tab:blue", "tab:cyan"][: len(labels)])
-    axes[0].bar_label(bars, fmt="%.3f ms")
-    axes[0].tick_params(axis="x", labelsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw=dict(width_ratios=[1.3, 2]))
+    names = {"h2o": "H2O", "longflow_fused": "LongFlow\n(fused)", "flash_decode": "flash_decode\n(vanilla)",
+             "sdpa": "SDPA flash\n(no eviction)", "sdpa_packed": "SDPA flash\n(GQA packed)",
+             "sdpa_cudnn": "SDPA cuDNN\n(GQA packed)"}
+    palette = {"h2o": "tab:gray", "longflow_fused": "tab:red", "flash_decode": "tab:orange", "sdpa": "tab:blue",
+               "sdpa_packed": "tab:cyan", "sdpa_cudnn": "tab:purple"}
+    labels = [m for m in names if m in at_point]
+    bars = axes[0].bar([names[m] for m in labels], [at_point[m] for m in labels], color=[palette[m] for m in labels])
+    axes[0].bar_label(bars, fmt="%.3f", fontsize=7)
+    axes[0].tick_params(axis="x", labelsize=7)
     axes[0].set_ylabel("latency of one decode attention call (ms)")
     axes[0].set_title(f"batch {point[0]}, {point[1]} KV slots, Qwen3-8B shapes")
 
-    ratios = [(row["batch"], row["slots"], row["x_sdpa"]) for row in rows
-              if row["method"] == "longflow_fused" and row.get("x_sdpa")]
+    ratios = {(row["method"], row["batch"], row["slots"]): row["x_sdpa"] for row in rows
+              if row["method"] in KERNELS and row.get("x_sdpa")}
     if ratios:
-        slot_counts = sorted({s for _, s, _ in ratios})
-        batches = sorted({b for b, _, _ in ratios})
-        width = 0.8 / len(slot_counts)
-        for i, slots in enumerate(slot_counts):
-            values = [next((r for b2, s2, r in ratios if b2 == b and s2 == slots), 0) for b in batches]
-            axes[1].bar([x + i * width for x in range(len(batches))], values, width, label=f"{slots} slots")
+        kernels = [m for m in KERNELS if any(key[0] == m for key in ratios)]
+        slot_counts = sorted({s for _, _, s in ratios})
+        batches = sorted({b for _, b, _ in ratios})
+        width = 0.8 / (len(slot_counts) * len(kernels))
+        for i, (slots, kernel) in enumerate(itertools.product(slot_counts, kernels)):
+            values = [ratios.get((kernel, b, slots), 0) for b in batches]
+            axes[1].bar([x + i * width for x in range(len(batches))], values, width,
+                        color=f"C{slot_counts.index(slots)}", hatch="//" if kernel == "flash_decode" else None,
+                        edgecolor="white", label=f"{slots} slots" if kernel == kernels[0] else None)
         axes[1].axhline(1.1, color="k", linestyle="--", linewidth=1, label="1.1x target")
-        axes[1].set_xticks([x + width * (len(slot_counts) - 1) / 2 for x in range(len(batches))])
+        axes[1].set_xticks([x + width * (len(slot_counts) * len(kernels) - 1) / 2 for x in range(len(batches))])
         axes[1].set_xticklabels([f"batch {b}" for b in batches])
-        axes[1].set_ylabel("LongFlow fused / SDPA flash")
-        axes[1].set_title("fused kernel time over the faster SDPA's, every grid point")
-        axes[1].set_ylim(0, max(1.3, 1.15 * max(r for _, _, r in ratios)))
+        axes[1].set_ylabel("kernel time / fastest SDPA")
+        hatched = " and flash_decode (hatched)" if "flash_decode" in kernels else ""
+        axes[1].set_title(f"LongFlow fused{hatched} over the fastest SDPA, every grid point", fontsize=9)
+        axes[1].set_ylim(0, max(1.3, 1.15 * max(ratios.values())))
         axes[1].legend(fontsize=8, ncol=4, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=150)

@@ -18,7 +18,7 @@ import logging
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -322,35 +322,144 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
 
 
 def generate_batches(work, job: Job, setup: Setup, engine, tokenizer, prompts) -> Iterator[tuple[list[dict], dict]]:
-    """(records, batch record) of each engine batch over the (item, sample) units of `work`, in order.
+    """(records, batch record) of the (item, sample) units of `work`, graded, in groups of at most
+    `batch_size`: static engine batches, or, with `engine.continuous`, the units that continuous
+    batching finished since the last group (in the order they finished).
 
-    A batch that runs out of device memory is retried at half the size, and later batches keep the
-    smaller size (`batch_size` in the batch record); nothing generated is lost. Out of memory at
-    batch size 1 raises UserError.
+    A batch or a serving pass that runs out of device memory goes on at half the size, and later
+    ones keep the smaller size (`batch_size` in the batch record); nothing generated is lost: the
+    units a pass had finished are kept, the ones it was decoding start again. Out of memory at size
+    1 raises UserError.
     """
-    batch_size, start = setup.engine.batch_size, 0
-    while start < len(work):
-        units = work[start:start + batch_size]
+    batch_size, remaining = setup.engine.batch_size, list(work)
+    produce = serve_units if setup.engine.continuous else batch_units
+    while remaining:
+        done: set[int] = set()
         try:
-            new_records, batch = generate_batch(units, job, setup, engine, tokenizer, prompts)
+            for group, outputs, batch in produce(remaining, batch_size, job, setup, engine, prompts):
+                done.update(id(unit) for unit in group)
+                records = graded_records(group, outputs, job, setup, engine, tokenizer, prompts)
+                yield records, {**batch, "batch_size": batch_size}
         except Exception as error:
             if not out_of_memory(error):
                 raise
-            if len(units) == 1:
-                item = units[0][0]
+            if batch_size == 1:
+                item = remaining[0][0]
                 raise UserError(
                     f"out of memory on {engine.device} generating one sequence (item {item.id} of {job.name}, "
                     f"{len(prompts[item.id])} prompt tokens + up to {setup.generation.max_new_tokens} new); lower "
                     "generation.max_new_tokens or use a device with more memory") from None
-            failed = len(units)
+            failed = batch_size
         else:
-            yield new_records, {**batch, "batch_size": batch_size}
-            start += len(units)
-            continue
+            return
         # Outside the except block: the exception's frames (and the tensors they hold) are gone.
-        batch_size = failed // 2
+        remaining = [unit for unit in remaining if id(unit) not in done]
+        batch_size = max(1, failed // 2)
         free_device_memory(engine.device)
         logger.warning("out of memory at batch size %d on %s; going on at %d", failed, engine.device, batch_size)
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """What the engine generated for a group of units, one entry per unit."""
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    prompt_tokens: list[int]
+    seconds: list[float]
+    peak_slots: list[int]
+
+
+def batch_units(work, batch_size: int, job: Job, setup: Setup, engine, prompts):
+    """Static batches of `batch_size` units: (units, their outputs, the batch's timing record) each."""
+    for start in range(0, len(work), batch_size):
+        units = work[start:start + batch_size]
+        result = engine.generate(
+            [prompts[item.id] for item, _ in units], setup.generation,
+            [row_seed(setup.generation.seed, job.name, item.id, sample) for item, sample in units],
+        )
+        outputs = Outputs(result.tokens, result.finish_reasons, result.prompt_tokens, batch_seconds(result),
+                          result.peak_slots)
+        yield units, outputs, timing_record(engine, len(units), result.prefill_seconds, result.step_seconds,
+                                            sum(len(t) for t in result.tokens), result.peak_memory_bytes,
+                                            result.cuda_graph, continuous=False)
+
+
+def serve_units(work, batch_size: int, job: Job, setup: Setup, engine, prompts):
+    """Continuous batching over `work` on `batch_size` rows: the units finished since the last group,
+    once there are `batch_size` of them (grading starts worker processes: not for every few rows),
+    and the rest at the end; the timing record covers every prefill and step since the last group."""
+    from longflow.engine import Engine
+
+    serving = Engine(engine.model, engine.policy_factory, engine.eos_ids.tolist(), engine.pad_id,
+                     replace(setup.engine, batch_size=batch_size))
+    pending, prefill, steps, memory, graph = [], 0.0, [], None, False
+    rounds = serving.serve(
+        [prompts[item.id] for item, _ in work], setup.generation,
+        [row_seed(setup.generation.seed, job.name, item.id, sample) for item, sample in work],
+    )
+    try:
+        for round_ in rounds:
+            pending += round_.finished
+            prefill += round_.prefill_seconds
+            steps += round_.step_seconds
+            memory, graph = round_.peak_memory_bytes, graph or round_.cuda_graph
+            if len(pending) >= batch_size:
+                yield group_of(work, pending, engine, prefill, steps, memory, graph)
+                pending, prefill, steps = [], 0.0, []
+    except KeyboardInterrupt:
+        if pending:  # Ctrl-C loses only the sequences still decoding
+            yield group_of(work, pending, engine, prefill, steps, memory, graph)
+        raise
+    if pending:
+        yield group_of(work, pending, engine, prefill, steps, memory, graph)
+
+
+def group_of(work, served: list, engine, prefill: float, steps: list[float], memory, graph: bool):
+    """(units, outputs, timing record) of the sequences `served` (`longflow.engine.Served`)."""
+    units = [work[item.index] for item in served]
+    outputs = Outputs([item.tokens for item in served], [item.finish_reason for item in served],
+                      [item.prompt_tokens for item in served], [item.seconds for item in served],
+                      [item.peak_slots for item in served])
+    return units, outputs, timing_record(engine, len(served), prefill, steps, sum(len(t) for t in outputs.tokens),
+                                         memory, graph, continuous=True)
+
+
+def timing_record(engine, size: int, prefill_seconds: float, step_seconds: list[float], generated: int,
+                  peak_memory_bytes, cuda_graph: bool, continuous: bool) -> dict:
+    import torch
+
+    device = engine.device
+    return {
+        "size": size, "prefill_seconds": prefill_seconds, "step_seconds": [round(s, 7) for s in step_seconds],
+        "generated_tokens": generated, "peak_memory_bytes": peak_memory_bytes, "cuda_graph": cuda_graph,
+        "continuous": continuous, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+
+
+def graded_records(units, outputs: Outputs, job: Job, setup: Setup, engine, tokenizer, prompts) -> list[dict]:
+    """The graded record of each unit from its outputs."""
+    from evals.grading import GradeRequest, grade_many
+
+    eos_ids = engine.eos_ids.tolist()
+    texts = [decode(tokenizer, tokens, eos_ids) for tokens in outputs.tokens]
+    grades = grade_many(
+        [GradeRequest(kind=job.kind, output=text, gold=item.gold, finish_reason=reason, thinks=setup.model.thinks)
+         for (item, _), text, reason in zip(units, texts, outputs.finish_reasons, strict=True)],
+        workers=setup.grading["workers"], timeout=setup.grading["timeout"],
+    ) if units else []
+    return [
+        {
+            "id": item.id, "dataset": job.name, "sample": sample, "prompt_tokens": outputs.prompt_tokens[row],
+            # The prompt as the model saw it (chat template, thinking switch, truncation), specials kept.
+            "prompt": tokenizer.decode(prompts[item.id], skip_special_tokens=False),
+            "output": texts[row], "output_tokens": len(outputs.tokens[row]),
+            "finish_reason": outputs.finish_reasons[row], "extracted": grades[row].extracted, "gold": item.gold,
+            "correct": grades[row].correct, "reason": grades[row].reason, "seconds": outputs.seconds[row],
+            "peak_slots": outputs.peak_slots[row],
+        }
+        for row, (item, sample) in enumerate(units)
+    ]
 
 
 def out_of_memory(error: BaseException) -> bool:
@@ -369,47 +478,6 @@ def free_device_memory(device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def generate_batch(units, job: Job, setup: Setup, engine, tokenizer, prompts) -> tuple[list[dict], dict]:
-    """One engine batch of (item, sample) units: their graded records and the batch's timing record."""
-    import torch
-
-    from evals.grading import GradeRequest, grade_many
-
-    result = engine.generate(
-        [prompts[item.id] for item, _ in units], setup.generation,
-        [row_seed(setup.generation.seed, job.name, item.id, sample) for item, sample in units],
-    )
-    eos_ids = engine.eos_ids.tolist()
-    texts = [decode(tokenizer, tokens, eos_ids) for tokens in result.tokens]
-    grades = grade_many(
-        [GradeRequest(kind=job.kind, output=text, gold=item.gold, finish_reason=reason, thinks=setup.model.thinks)
-         for (item, _), text, reason in zip(units, texts, result.finish_reasons, strict=True)],
-        workers=setup.grading["workers"], timeout=setup.grading["timeout"],
-    )
-    seconds = batch_seconds(result)
-    records = [
-        {
-            "id": item.id, "dataset": job.name, "sample": sample, "prompt_tokens": result.prompt_tokens[row],
-            # The prompt as the model saw it (chat template, thinking switch, truncation), specials kept.
-            "prompt": tokenizer.decode(prompts[item.id], skip_special_tokens=False),
-            "output": texts[row], "output_tokens": len(result.tokens[row]),
-            "finish_reason": result.finish_reasons[row], "extracted": grades[row].extracted, "gold": item.gold,
-            "correct": grades[row].correct, "reason": grades[row].reason, "seconds": seconds[row],
-            "peak_slots": result.peak_slots[row],
-        }
-        for row, (item, sample) in enumerate(units)
-    ]
-    device = engine.device
-    batch = {
-        "size": len(units), "prefill_seconds": result.prefill_seconds,
-        "step_seconds": [round(s, 7) for s in result.step_seconds],
-        "generated_tokens": sum(len(t) for t in result.tokens),
-        "peak_memory_bytes": result.peak_memory_bytes, "cuda_graph": result.cuda_graph,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-    }
-    return records, batch
 
 
 def fidelity_option(value, generation_name: str, generation) -> bool:

@@ -91,21 +91,25 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs: batch size, CUDA-graph capture and compilation of the decode step.
+    """How the engine runs: batching, CUDA-graph capture and compilation of the decode step, host checks.
 
-    None changes the tokens produced, so none is part of a run's identity. `compile`: the decode
-    step's model forward through `torch.compile` (`longflow.compile`), on a GPU only: on the CPU,
-    where the tests run, compiling costs more than it saves, and the option is ignored like `cuda_graph`.
+    None of them changes the tokens produced, so none is part of a run's identity.
+    `continuous`: continuous batching (`Engine.serve`: a finished row takes the next prompt at once)
+    rather than static batches (`Engine.generate`: a batch runs until its longest row ends).
+    `compile`: the decode step's model forward through `torch.compile` (`longflow.compile`), on a
+    GPU only: on the CPU, where the tests run, compiling costs more than it saves, and the option
+    is ignored like `cuda_graph`.
     """
 
-    batch_size: int = 64
+    batch_size: int = 64  # rows decoding together
     cuda_graph: bool = True
     compile: bool = True
-    check_every: int = 16  # decode steps between host checks for "every row finished"
+    check_every: int = 16  # decode steps between host checks for finished rows
+    continuous: bool = True
+    prefill_rows: int = 16  # most prompts prefilled together when finished rows are refilled
 
     def __post_init__(self):
         check_types(self, "engine")
-        if self.batch_size <= 0:
-            raise UserError(f"engine.batch_size must be positive, got {self.batch_size}")
-        if self.check_every <= 0:
-            raise UserError(f"engine.check_every must be positive, got {self.check_every}")
+        for name in ("batch_size", "check_every", "prefill_rows"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"engine.{name} must be positive, got {getattr(self, name)}")

@@ -2,19 +2,29 @@
 
 Written as small named steps (`prefill`, `decode_one_token`, `decode_n_tokens`) in the manner of
 gpt-fast. The decode step changes only preallocated tensors in place and never reads a value back
-to the host (finished rows are tracked on the device), so on a GPU it is captured once per batch in
-a CUDA graph and replayed: the model's Python code then costs nothing per step. The host looks at
-the device only every `check_every` steps, to stop when every row has finished.
+to the host (finished rows are tracked on the device), so on a GPU it is captured once in a CUDA
+graph and replayed: the model's Python code then costs nothing per step. The host looks at the
+device only every `check_every` steps.
+
+Two ways to batch:
+- `generate`: a static batch. Every row starts together and the batch runs until its last row ends.
+- `serve`: continuous batching, in the manner of nano-vllm's scheduler. A fixed number of rows
+  decode together; every `check_every` steps the rows that finished hand their outputs back and
+  take the next prompts of the queue, prefilled apart (a small batch of their own through a fresh
+  policy) and copied into those rows (`KVPolicy.admit`), while the graph of the decode step,
+  captured once, goes on being replayed. Every row has its own output step, position and length
+  limit, so an item's tokens do not depend on which rows decode beside it.
 `longflow.fidelity` builds its teacher-forced pass, two caches in lockstep, from the same steps.
 
-Notation: B batch, L padded prompt length, T max_new_tokens, V vocab.
+Notation: B batch (rows), L padded prompt length, T max_new_tokens, V vocab.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +39,7 @@ from longflow.sampling import select_tokens
 
 @dataclass
 class BatchResult:
-    """What one batch produced. Token lists hold the generated ids, the final EOS included."""
+    """What one static batch produced. Token lists hold the generated ids, the final EOS included."""
 
     tokens: list[list[int]]
     finish_reasons: list[str]  # "eos" | "length"
@@ -41,27 +51,61 @@ class BatchResult:
     cuda_graph: bool  # whether the decode steps ran as graph replays
 
 
-class DecodeState:
-    """The preallocated tensors one decode step reads and writes.
+@dataclass
+class Served:
+    """One sequence that `Engine.serve` finished."""
 
-    token, positions: `[B]` the last token and its position; step: 0-d, index of the next output
-    token; out: `[B, T]` output ids; finished: `[B]` bool; seen: `[B, V]` bool for the repetition
-    penalty (None when unused); seeds: `[B]` sampling seeds.
+    index: int  # its place in the prompts handed to `serve`
+    tokens: list[int]  # the generated ids, the final EOS included
+    finish_reason: str  # "eos" | "length"
+    prompt_tokens: int
+    seconds: float  # from the start of its prefill to the check that found it finished
+    peak_slots: int  # most KV slots it held, over layers and heads
+
+
+@dataclass
+class ServeRound:
+    """What `Engine.serve` did between two looks at the device: the sequences it finished, and the
+    work since the previous round (the admissions' prefills, the decode steps of every row)."""
+
+    finished: list[Served]
+    prefill_seconds: float
+    step_seconds: list[float]
+    peak_memory_bytes: int | None
+    cuda_graph: bool
+    rows: int  # rows decoding together
+
+
+class DecodeState:
+    """The preallocated tensors one decode step reads and writes, one row per sequence.
+
+    token, positions: `[B]` the last token and its position; step: `[B]` int64, the index of each
+    row's next output token; limit: `[B]` int64, the tokens a row may generate; out: `[B, T + 1]`
+    output ids (column T takes the writes of rows that have finished); finished: `[B]` bool; seen:
+    `[B, V]` bool for the repetition penalty (None when unused); seeds: `[B]` sampling seeds.
     """
 
     def __init__(self, batch: int, max_new_tokens: int, vocab: int, seeds: list[int], pad_id: int,
-                 device: torch.device, track_seen: bool):
+                 device: torch.device, track_seen: bool, limits: list[int] | None = None, finished: bool = False):
         self.token = torch.full((batch,), pad_id, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, dtype=torch.long, device=device)
-        self.step = torch.zeros((), dtype=torch.long, device=device)
-        self.out = torch.full((batch, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.step = torch.zeros(batch, dtype=torch.long, device=device)
+        self.limit = torch.tensor(limits or [max_new_tokens] * batch, dtype=torch.long, device=device)
+        self.out = torch.full((batch, max_new_tokens + 1), pad_id, dtype=torch.long, device=device)
+        self.finished = torch.full((batch,), finished, dtype=torch.bool, device=device)
         self.seen = torch.zeros(batch, vocab, dtype=torch.bool, device=device) if track_seen else None
         self.seeds = torch.tensor(seeds, dtype=torch.long, device=device)
 
+    def admit(self, rows: torch.Tensor, staged: DecodeState) -> None:
+        """Rows `[n]` take over the n sequences of `staged`, just prefilled (continuous batching)."""
+        for name in ("token", "positions", "step", "limit", "out", "finished", "seen", "seeds"):
+            mine = getattr(self, name)
+            if mine is not None:
+                mine.index_copy_(0, rows, getattr(staged, name))
+
 
 class Engine:
-    """Generates for batches of tokenised prompts with a fresh KV policy per batch."""
+    """Generates for tokenised prompts with a fresh KV policy per batch (`generate`) or per queue (`serve`)."""
 
     def __init__(
         self,
@@ -136,15 +180,18 @@ class Engine:
         return logits
 
     def emit(self, state: DecodeState, token: torch.Tensor, generation: GenerationConfig) -> None:
-        """Record `token` `[B]` as output `step`, in place (finished rows emit padding)."""
-        token = torch.where(state.finished, self.pad_id, token)
-        state.out.scatter_(1, state.step.expand(token.shape[0], 1), token[:, None])
+        """Record `token` `[B]` as each running row's next output, in place. A finished row emits
+        padding into the column past its output, and its step stays where it ended."""
+        running = ~state.finished
+        token = torch.where(running, token, self.pad_id)
+        state.out.scatter_(1, state.step[:, None], token[:, None])
         if state.seen is not None:
             state.seen.scatter_(1, token[:, None], True)
+        state.step += running
         if not generation.ignore_eos:
             state.finished |= torch.isin(token, self.eos_ids)
+        state.finished |= state.step >= state.limit
         state.token.copy_(token)
-        state.step += 1
 
     def decode_one_token(self, cache, state, generation) -> None:
         logits = self.forward(cache, state.token[:, None], state.positions[:, None])
@@ -156,32 +203,16 @@ class Engine:
         return self.run_steps(lambda: self.decode_one_token(cache, state, generation), (cache.policy,), state, steps)
 
     def run_steps(self, run_step: Callable[[], None], policies, state, steps: int) -> tuple[list[float], bool]:
-        """Runs `run_step` up to `steps` times, with each policy's host hooks around every step,
-        until every row of `state` has finished.
-
-        On a GPU the step is captured once, at the first step after the first (eager) one that no
-        policy asks to run eagerly, and replayed from then on; the steps a policy asks for
-        (`before_step`) always run eagerly.
-        """
-        timer = StepTimer(self.device)
-        graph, tried = None, not (self.device.type == "cuda" and self.config.cuda_graph)
-        for step in range(steps):
-            eager = any([policy.before_step(step) for policy in policies])  # every policy's hook runs
-            if not tried and step >= 1 and not eager:
-                graph, tried = capture(run_step), True
-            timer.start()
-            if graph is not None and not eager:
-                graph.replay()
-            else:
-                run_step()
-            timer.stop()
-            for policy in policies:
-                policy.after_step(step)
-            if (step + 1) % self.config.check_every == 0 and bool(state.finished.all()):
+        """Runs `run_step` up to `steps` times, until every row of `state` has finished (see `Stepper`)."""
+        stepper = Stepper(run_step, policies, self.device, self.config.cuda_graph)
+        seconds = []
+        while len(seconds) < steps:
+            seconds += stepper.run(min(self.config.check_every, steps - len(seconds)))
+            if bool(state.finished.all()):
                 break
-        return timer.seconds(), graph is not None
+        return seconds, stepper.graph is not None
 
-    # ---- a batch -----------------------------------------------------------------------------
+    # ---- a static batch ----------------------------------------------------------------------
 
     def warm_up(self) -> None:
         """One tiny batch, so that one-time costs (kernel loading, library handles, Triton
@@ -189,17 +220,18 @@ class Engine:
         self.generate([[self.pad_id] * ALIGN], GenerationConfig(max_new_tokens=4, ignore_eos=True), [0])
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], generation: GenerationConfig, seeds: list[int]) -> BatchResult:
-        if not prompts or len(prompts) != len(seeds):
-            raise ValueError("generate needs one seed per prompt and at least one prompt")
+    def generate(self, prompts: list[list[int]], generation: GenerationConfig, seeds: list[int],
+                 limits: list[int] | None = None) -> BatchResult:
+        """One static batch. `limits`: the most tokens each row generates (default `max_new_tokens`)."""
+        check_inputs(prompts, seeds, limits, generation)
         input_ids, pad = self.batch_inputs(prompts)
         batch = len(prompts)
         on_gpu = self.device.type == "cuda"
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(self.device)
-        cache = self.new_cache(self.policy_factory, pad, generation)
+        cache = self.new_cache(self.policy_factory, batch, pad.shape[1], generation)
         state = DecodeState(batch, generation.max_new_tokens, self.vocab, seeds, self.pad_id, self.device,
-                            track_seen=generation.repetition_penalty != 1.0)
+                            track_seen=generation.repetition_penalty != 1.0, limits=limits)
 
         synchronize(self.device)
         start = time.perf_counter()
@@ -220,6 +252,100 @@ class Engine:
             cuda_graph=used_graph,
         )
 
+    # ---- continuous batching -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def serve(self, prompts: list[list[int]], generation: GenerationConfig, seeds: list[int],
+              limits: list[int] | None = None) -> Iterator[ServeRound]:
+        """Continuous batching over the queue `prompts` (taken in their order), `batch_size` rows at
+        a time; yields a `ServeRound` at every check that finished sequences, until all are done.
+
+        The rows' cache is allocated once, for the longest prompt of the queue; each admission
+        prefills at most `prefill_rows` prompts together through a policy of their own and copies
+        them into the free rows. A row left without work when the queue is empty is released and
+        decodes padding, unread, until the last sequence ends.
+        """
+        check_inputs(prompts, seeds, limits, generation)
+        limits = limits or [generation.max_new_tokens] * len(prompts)
+        rows = min(self.config.batch_size, len(prompts))
+        length = round_up(max(len(p) for p in prompts), ALIGN)
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        cache = self.new_cache(self.policy_factory, rows, length, generation)
+        state = DecodeState(rows, generation.max_new_tokens, self.vocab, [0] * rows, self.pad_id, self.device,
+                            track_seen=generation.repetition_penalty != 1.0, finished=True)
+        cache.policy.begin_serving(state.positions)
+        stepper = Stepper(lambda: self.decode_one_token(cache, state, generation), (cache.policy,), self.device,
+                          self.config.cuda_graph)
+        queue = deque(range(len(prompts)))
+        holder: list[int | None] = [None] * rows  # the prompt index each row decodes
+        started = [0.0] * rows
+        while True:
+            free = [row for row in range(rows) if holder[row] is None]
+            admitted, prefill_seconds = free[:len(queue)], 0.0
+            for first in range(0, len(admitted), self.config.prefill_rows):
+                chunk = admitted[first:first + self.config.prefill_rows]
+                indices = [queue.popleft() for _ in chunk]
+                start = time.perf_counter()
+                self.admit(cache, state, chunk, [prompts[i] for i in indices], [seeds[i] for i in indices],
+                           [limits[i] for i in indices], length, generation)
+                synchronize(self.device)
+                prefill_seconds += time.perf_counter() - start
+                for row, index in zip(chunk, indices, strict=True):
+                    holder[row], started[row] = index, start
+            if all(index is None for index in holder):
+                return
+            step_seconds = stepper.run(self.config.check_every)
+            finished = state.finished.tolist()
+            done = [row for row in range(rows) if holder[row] is not None and finished[row]]
+            served = self.harvest(cache, state, done, [holder[row] for row in done], [started[row] for row in done],
+                                  prompts, generation)
+            for row in done:
+                holder[row] = None
+            if not queue and done:
+                cache.policy.release(done)
+            yield ServeRound(
+                finished=served, prefill_seconds=prefill_seconds, step_seconds=step_seconds,
+                peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if on_gpu else None,
+                cuda_graph=stepper.graph is not None, rows=rows,
+            )
+
+    def admit(self, cache: PolicyCache, state: DecodeState, rows: list[int], prompts: list[list[int]],
+              seeds: list[int], limits: list[int], length: int, generation: GenerationConfig) -> None:
+        """Prefills `prompts` through a policy of their own, allocated like the rows' (prompt length
+        `length`), and hands them to `rows` of `cache` and `state`."""
+        input_ids, pad = self.batch_inputs(prompts)
+        staged = self.new_cache(self.policy_factory, len(prompts), length, generation)
+        staged_state = DecodeState(len(prompts), generation.max_new_tokens, self.vocab, seeds, self.pad_id,
+                                   self.device, track_seen=state.seen is not None, limits=limits)
+        self.prefill(staged, staged_state, input_ids, pad, generation)
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        cache.policy.admit(index, staged.policy)
+        state.admit(index, staged_state)
+
+    def harvest(self, cache: PolicyCache, state: DecodeState, rows: list[int], indices: list[int],
+                started: list[float], prompts: list[list[int]], generation: GenerationConfig) -> list[Served]:
+        """The finished `rows`' outputs (syncs the host)."""
+        if not rows:
+            return []
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        out = state.out.index_select(0, index).tolist()
+        steps = state.step.index_select(0, index).tolist()
+        peaks = cache.policy.peak_slots()
+        now = time.perf_counter()
+        eos = set(self.eos_ids.tolist())
+        served = []
+        for j, row in enumerate(rows):
+            tokens = out[j][:steps[j]]
+            ended = not generation.ignore_eos and bool(tokens) and tokens[-1] in eos
+            served.append(Served(index=indices[j], tokens=tokens, finish_reason="eos" if ended else "length",
+                                 prompt_tokens=len(prompts[indices[j]]), seconds=now - started[j],
+                                 peak_slots=peaks[row]))
+        return served
+
+    # ---- shared ------------------------------------------------------------------------------
+
     def batch_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded input ids `[B, L]` and their mask `[B, L]` bool (True = real token), on the device.
 
@@ -227,8 +353,6 @@ class Engine:
         and of the decode matmuls' operands misaligned for 16-byte loads, and the GPU falls back to
         kernels 2-3x slower (seen on an H200). The extra left padding is masked out like the rest.
         """
-        if min(len(p) for p in prompts) == 0:
-            raise ValueError("empty prompt")
         batch, length = len(prompts), round_up(max(len(p) for p in prompts), ALIGN)
         input_ids = torch.full((batch, length), self.pad_id, dtype=torch.long)
         pad = torch.zeros(batch, length, dtype=torch.bool)
@@ -237,32 +361,81 @@ class Engine:
             pad[row, length - len(prompt):] = True
         return input_ids.to(self.device), pad.to(self.device)
 
-    def new_cache(self, policy_factory: Callable[[], KVPolicy], pad: torch.Tensor,
+    def new_cache(self, policy_factory: Callable[[], KVPolicy], batch: int, prompt_len: int,
                   generation: GenerationConfig) -> PolicyCache:
-        """A fresh policy from `policy_factory`, allocated for the batch of `pad` `[B, L]`."""
+        """A fresh policy from `policy_factory`, allocated for `batch` rows of prompts padded to `prompt_len`."""
         policy = policy_factory()
         policy.allocate(CacheSpec(
-            batch=pad.shape[0], layers=self.num_layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
-            head_dim=self.head_dim, prompt_len=pad.shape[1], max_new_tokens=generation.max_new_tokens,
+            batch=batch, layers=self.num_layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
+            head_dim=self.head_dim, prompt_len=prompt_len, max_new_tokens=generation.max_new_tokens,
             dtype=self.dtype, device=self.device, rotary=self.rotary, vocab=self.vocab,
         ))
         return PolicyCache(policy, self.num_layers)
 
     def outputs(self, state: DecodeState, generation: GenerationConfig) -> tuple[list[list[int]], list[str]]:
         """Each row's generated ids, up to and with its first EOS, and its finish reason (syncs the host)."""
-        out, finished = state.out.tolist(), state.finished.tolist()
+        out, steps = state.out.tolist(), state.step.tolist()
         eos = set(self.eos_ids.tolist())
         tokens, reasons = [], []
-        for row, ids in enumerate(out):
-            end = next((i + 1 for i, t in enumerate(ids) if t in eos), None) if not generation.ignore_eos else None
-            tokens.append(ids[:end] if end else ids)
-            reasons.append("eos" if end and finished[row] else "length")
+        for ids, count in zip(out, steps, strict=True):
+            ids = ids[:count]
+            ended = not generation.ignore_eos and bool(ids) and ids[-1] in eos
+            tokens.append(ids)
+            reasons.append("eos" if ended else "length")
         return tokens, reasons
+
+
+def check_inputs(prompts: list[list[int]], seeds: list[int], limits: list[int] | None,
+                 generation: GenerationConfig) -> None:
+    if not prompts or len(prompts) != len(seeds):
+        raise ValueError("the engine needs one seed per prompt and at least one prompt")
+    if min(len(p) for p in prompts) == 0:
+        raise ValueError("empty prompt")
+    if limits is not None and (len(limits) != len(prompts)
+                               or not all(1 <= limit <= generation.max_new_tokens for limit in limits)):
+        raise ValueError(f"limits must give each prompt a count in [1, {generation.max_new_tokens}]")
 
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Stepper:
+    """Runs a decode step, with each policy's host hooks around every step, as CUDA-graph replays.
+
+    On a GPU the step is captured once, at the first step after the first (eager) one that no
+    policy asks to run eagerly, and replayed from then on; the steps a policy asks for
+    (`before_step`) always run eagerly. Step indices count from the Stepper's creation.
+    """
+
+    def __init__(self, run_step: Callable[[], None], policies, device: torch.device, cuda_graph: bool):
+        self.run_step, self.policies = run_step, policies
+        self.device = device
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.tried = not (device.type == "cuda" and cuda_graph)
+        self.count = 0
+
+    def run(self, steps: int) -> list[float]:
+        """Runs `steps` steps; returns the seconds of each."""
+        timer = StepTimer(self.device)
+        for _ in range(steps):
+            step = self.count
+            eager = any([policy.before_step(step) for policy in self.policies])  # every policy's hook runs
+            if not self.tried and step >= 1 and not eager:
+                self.graph, self.tried = capture(self.run_step), True
+            # A step's time includes its hooks' work: the interval methods' compressions are part
+            # of what a method costs per token (the capture itself, a one-time cost, is not).
+            timer.start()
+            if self.graph is not None and not eager:
+                self.graph.replay()
+            else:
+                self.run_step()
+            for policy in self.policies:
+                policy.after_step(step)
+            timer.stop()
+            self.count += 1
+        return timer.seconds()
 
 
 def capture(step: Callable[[], None]) -> torch.cuda.CUDAGraph | None:

@@ -51,17 +51,18 @@ class FidelityResult:
 
 
 class FidelityState:
-    """The per-step statistics, written in place at output `step`: agree `[B, T]` bool, kl `[B, T]`
-    float32 (entries past a row's end are left over from padding steps and ignored)."""
+    """The per-step statistics, written in place at each row's output step: agree `[B, T + 1]` bool,
+    kl `[B, T + 1]` float32 (entries past a row's end are left over from padding steps and ignored;
+    column T takes those of rows that have generated all T tokens, as `DecodeState.out` does)."""
 
     def __init__(self, batch: int, max_new_tokens: int, device: torch.device):
-        self.agree = torch.zeros(batch, max_new_tokens, dtype=torch.bool, device=device)
-        self.kl = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=device)
+        self.agree = torch.zeros(batch, max_new_tokens + 1, dtype=torch.bool, device=device)
+        self.kl = torch.zeros(batch, max_new_tokens + 1, dtype=torch.float32, device=device)
 
 
 def compare(state: DecodeState, fidelity: FidelityState, reference_logits: torch.Tensor, logits: torch.Tensor,
             generation: GenerationConfig) -> torch.Tensor:
-    """The reference's greedy token `[B]` for output `state.step`; records the method's agreement and
+    """The reference's greedy token `[B]` for each row's output `state.step`; records the method's agreement and
     KL there. reference_logits, logits: `[B, V]` of the full cache and of the method."""
     token = select_tokens(reference_logits, generation, state.seeds, state.step, state.seen)
     choice = select_tokens(logits, generation, state.seeds, state.step, state.seen)
@@ -69,7 +70,7 @@ def compare(state: DecodeState, fidelity: FidelityState, reference_logits: torch
     log_q = F.log_softmax(logits.float(), dim=-1)
     kl = F.kl_div(log_q, log_p, reduction="none", log_target=True).sum(dim=-1)  # sum p (log p - log q)
     kl = kl.clamp(min=0.0)  # rounding can take a zero divergence a hair below 0
-    column = state.step.expand(token.shape[0], 1)
+    column = state.step[:, None]
     fidelity.agree.scatter_(1, column, (choice == token)[:, None])
     fidelity.kl.scatter_(1, column, kl[:, None])
     return token
@@ -104,9 +105,9 @@ def teacher_force(engine: Engine, prompts: list[list[int]], generation: Generati
     if not prompts:
         raise ValueError("teacher_force needs at least one prompt")
     input_ids, pad = engine.batch_inputs(prompts)
-    reference = engine.new_cache(reference_factory, pad, generation)
-    cache = engine.new_cache(engine.policy_factory, pad, generation)
     batch, steps = len(prompts), generation.max_new_tokens
+    reference = engine.new_cache(reference_factory, batch, pad.shape[1], generation)
+    cache = engine.new_cache(engine.policy_factory, batch, pad.shape[1], generation)
     state = DecodeState(batch, steps, engine.vocab, [0] * batch, engine.pad_id, engine.device,
                         track_seen=generation.repetition_penalty != 1.0)
     fidelity = FidelityState(batch, steps, engine.device)

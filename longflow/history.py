@@ -43,6 +43,11 @@ class QueryHistory:
         slot = torch.remainder(positions, self.window)[:, None, None, None]
         ring.scatter_(2, slot.expand(batch, q_heads, 1, head_dim), q.unsqueeze(2).to(ring.dtype))
 
+    def adopt(self, rows: torch.Tensor, other: QueryHistory) -> None:
+        """Rows `[n]` take the n rows of `other` (continuous batching)."""
+        for mine, theirs in zip(self.rings, other.rings, strict=True):
+            mine.index_copy_(0, rows, theirs)
+
     def ring(self, layer: int, rows: torch.Tensor | None = None) -> torch.Tensor:
         """`[n, Hq, W, D]` in ring order (slot = position mod W), for scores that do not depend on order."""
         ring = self.rings[layer]

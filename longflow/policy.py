@@ -30,6 +30,12 @@ attention function (`longflow.cache`):
       per step, per layer: store(...) then attend(...); then observe(...)
       after_step(step)                    host, between steps (interval methods compress here)
 
+Continuous batching (`Engine.serve`) allocates one policy for its rows and calls
+`begin_serving(positions)` instead of prefilling it; between steps, `admit(rows, staged)` copies in
+sequences that a second policy of the same config (`staged`) has just prefilled, and `release(rows)`
+frees rows left without work. A method whose state lives in the slot cache, the query history and
+the interval count needs nothing more; one that keeps other per-row state extends `admit`.
+
 Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, L padded prompt length,
 D head dim, n rows.
 """
@@ -55,6 +61,9 @@ from longflow.snapkv import snapkv_scores
 # and the GPU falls back to kernels 2-3x slower.
 ALIGN = 16
 SCHEDULES = ("step", "interval")
+# The slot count of a released row (continuous batching): it never reaches a capacity, so an interval
+# method never compresses a row that decodes padding.
+IDLE = float("-inf")
 BUDGET_SCOPES = ("per_layer", "total")
 OBSERVABLE = frozenset({"logits", "prompt_logits", "hidden_states"})
 
@@ -296,6 +305,30 @@ class KVPolicy:
         self.positions = positions
         if self.schedule == "interval":  # host count of the slots each row holds, the same in every layer
             self.held = [self.held_after_prompt(n) for n in self.prompt_lengths]
+
+    # ---- continuous batching -----------------------------------------------------------------
+
+    def begin_serving(self, positions: torch.Tensor) -> None:
+        """Decode with no sequence in any row yet: rows get theirs from `admit`. positions: as `begin_decode`."""
+        self.prefilling = False
+        self.positions = positions
+        self.held = [IDLE] * self.spec.batch
+
+    def admit(self, rows: torch.Tensor, staged: KVPolicy) -> None:
+        """Rows `[n]` take over the n sequences that `staged` (this method, allocated with the same
+        capacities) has just prefilled: their slots, per-slot state, recent queries and slot counts."""
+        self.slots.adopt(rows, staged.slots)
+        if self.history is not None:
+            self.history.adopt(rows, staged.history)
+        if self.schedule == "interval":
+            for row, held in zip(rows.tolist(), staged.held, strict=True):
+                self.held[row] = held
+
+    def release(self, rows: list[int]) -> None:
+        """Rows left without a sequence: their slots are freed, and they are never compressed."""
+        self.slots.reset_rows(torch.tensor(rows, dtype=torch.long, device=self.spec.device))
+        for row in rows:
+            self.held[row] = IDLE
 
     def held_after_prompt(self, length: int) -> int:
         """Slots a row of `length` real prompt tokens holds after prefill."""

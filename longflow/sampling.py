@@ -30,9 +30,10 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
 
 
 def row_uniform(seeds: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform noise in (0, 1), `[B, vocab]` float32, a pure function of (seeds[b], step, token).
+    """Uniform noise in (0, 1), `[B, vocab]` float32, a pure function of (seeds[b], step[b], token).
 
-    seeds: `[B]` int64; step: 0-d int64 tensor (a tensor so that a captured graph sees its updates).
+    seeds: `[B]` int64; step: `[B]` int64, each row's output step (a tensor so that a captured graph
+    sees its updates).
     """
     tokens = torch.arange(vocab, device=seeds.device, dtype=torch.long)
     row = _splitmix64(seeds * 1_000_003 + step)  # [B]

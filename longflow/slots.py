@@ -196,6 +196,19 @@ class SlotCache:
             self.next_slot[layer].index_fill_(0, rows, 0)
         self.peak.index_fill_(0, rows, 0)
 
+    def adopt(self, rows: torch.Tensor, other: SlotCache) -> None:
+        """Rows `[n]` take the n rows of `other` (same capacities): buffers, state, next slots and peaks."""
+        if [layer.keys.shape[1:] for layer in self.layers] != [layer.keys.shape[1:] for layer in other.layers]:
+            raise ValueError("adopt needs a slot cache of the same layer capacities")
+        for mine, theirs, next_mine, next_theirs in zip(self.layers, other.layers, self.next_slot, other.next_slot,
+                                                        strict=True):
+            for name in ("keys", "values", "valid", "positions"):
+                getattr(mine, name).index_copy_(0, rows, getattr(theirs, name))
+            for name in self.states:
+                mine.state[name].index_copy_(0, rows, theirs.state[name])
+            next_mine.index_copy_(0, rows, next_theirs)
+        self.peak.index_copy_(0, rows, other.peak)
+
     # ---- the peak --------------------------------------------------------------------------------
 
     def record_peak(self, layers: list[int] | None = None) -> None:

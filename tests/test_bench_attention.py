@@ -12,10 +12,11 @@ def grid_rows() -> list[dict]:
     rows = []
     for batch, slots in ((1, 1024), (128, 3200)):
         floor = bench_attention.floor_bytes(batch, slots) / 4.25e12 * 1e3
-        times = {"sdpa": 2.0 * floor, "sdpa_packed": 2.1 * floor, "h2o": 3.0 * floor, "longflow_fused": 1.5 * floor}
+        times = {"sdpa": 2.0 * floor, "sdpa_packed": 2.1 * floor, "sdpa_cudnn": 1.9 * floor, "h2o": 3.0 * floor,
+                 "longflow_fused": 1.5 * floor, "flash_decode": 1.7 * floor}
         for method, ms in times.items():
             rows.append(dict(batch=batch, slots=slots, method=method, backend="flash", ms=ms, floor_ms=floor,
-                             x_floor=ms / floor, x_sdpa=ms / times["sdpa"], copy_tb_s=4.25, input_sets=1,
+                             x_floor=ms / floor, x_sdpa=ms / times["sdpa_cudnn"], copy_tb_s=4.25, input_sets=1,
                              timer="cuda_graph"))
     return rows
 
@@ -37,7 +38,8 @@ def test_replot_redraws_the_figure_from_the_csv(tmp_path, capsys):
     bench_attention.main(["--replot", str(path)])
     assert (tmp_path / "fig1.png").stat().st_size > 10_000
     table = capsys.readouterr().out
-    assert "fused/best sdpa" in table and "0.750" in table  # 1.5 floor / min(2.0, 2.1) floor
+    assert "fused/best sdpa" in table and "0.789" in table  # 1.5 floor / min(2.0, 2.1, 1.9) floor
+    assert "flash_decode/best sdpa" in table and "0.895" in table  # 1.7 / 1.9
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")

@@ -18,9 +18,9 @@ from longflow.fidelity import teacher_force
 TEXTS = ["What is 2 + 3?", "hi", *LONG_TEXTS]
 
 
-def engine_of(tiny, method, budget, compiled=None):
+def engine_of(tiny, method, budget, compiled=None, config=None):
     model, tokenizer = tiny
-    engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id)
+    engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id, config)
     engine.decode_forward = compiled
     return engine
 
@@ -80,3 +80,20 @@ def test_the_engine_compiles_on_a_gpu_only(tiny):
     model, tokenizer = tiny
     engine = Engine(model, lambda: policy_of("vanilla", None), [], tokenizer.pad_token_id, EngineConfig(compile=True))
     assert engine.decode_forward is None
+
+
+def test_continuous_batching_through_the_compiled_forward(tiny):
+    """Two rows serve four items, refilled between steps: the compiled forward sees one batch size."""
+    torch._dynamo.reset()
+    model, tokenizer = tiny
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    generation = GenerationConfig(max_new_tokens=24)
+
+    def served(compiled):
+        engine = engine_of(tiny, "longflow", 12, compiled, EngineConfig(batch_size=2, prefill_rows=2, check_every=4))
+        rounds = engine.serve(prompts, generation, [0, 1, 2, 3], limits=[24, 7, 15, 20])
+        return {item.index: item.tokens for round_ in rounds for item in round_.finished}
+
+    before = graphs()
+    assert served(CompiledDecode(model, backend="aot_eager")) == served(None)
+    assert graphs() == before + 1

@@ -147,6 +147,37 @@ def test_graphs_give_the_eager_tokens(tiny_cuda, method, variant):
     assert max(graphed.peak_slots) <= budget
 
 
+@pytest.mark.parametrize("method,variant", [("vanilla", None), *method_variants()])
+def test_continuous_batching_under_graphs_gives_each_item_its_own_tokens(tiny_cuda, method, variant):
+    """Two rows serve six items under one captured graph (rows refilled between replays, one released
+    at the end): each item gets the tokens it gets alone, at a compressing budget; with a large one,
+    every method gets the full cache's tokens."""
+    model, tokenizer = tiny_cuda
+    prompts = [tokenizer(text * repeat)["input_ids"] for text in TEXTS for repeat in (1, 4)]
+    limits = [90, 17, 160, 41, 5, 120]
+    fields = {} if variant is None else {"variant": variant}
+    budget = None if method == "vanilla" else 300 if (method, variant) == ("rkv", "lf_repo") else 48
+    generation = GenerationConfig(max_new_tokens=160)
+    eos = eos_token_ids(model, tokenizer)
+
+    def alone(name, budget):
+        engine = Engine(model, lambda: policy_of(name, budget, **fields), eos, tokenizer.pad_token_id)
+        return [engine.generate([p], generation, [i], limits=[n]).tokens[0]
+                for i, (p, n) in enumerate(zip(prompts, limits, strict=True))]
+
+    def served(budget):
+        engine = Engine(model, lambda: policy_of(method, budget, **fields), eos, tokenizer.pad_token_id,
+                        EngineConfig(batch_size=2, prefill_rows=2, check_every=8))
+        rounds = list(engine.serve(prompts, generation, list(range(len(prompts))), limits=limits))
+        assert rounds[-1].cuda_graph
+        tokens = {item.index: item.tokens for round_ in rounds for item in round_.finished}
+        return [tokens[i] for i in range(len(prompts))]
+
+    assert served(budget) == alone(method, budget)
+    if method != "vanilla":
+        assert served(1024) == alone("vanilla", None)
+
+
 @pytest.mark.parametrize("method,budget", [("vanilla", None), ("longflow", 48)])
 def test_compiled_decoding_gives_the_uncompiled_tokens(tiny_cuda, method, budget):
     """Inductor's kernels inside the engine's CUDA graph against the eager forward, 300 steps, LongFlow

@@ -253,11 +253,11 @@ def test_over_long_prompts_are_recorded_and_the_run_goes_on(tmp_path):
 
 
 def fail_above(monkeypatch, limit: int, error: Exception) -> list[int]:
-    """Make the engine raise `error` (as CUDA does when out of memory) for batches above `limit` rows;
-    returns the sizes it was asked for."""
+    """Make the engine raise `error` (as CUDA does when out of memory) for static batches and serving
+    passes of more than `limit` rows; returns the row counts it was asked for."""
     from longflow.engine import Engine
 
-    sizes, generate = [], Engine.generate
+    sizes, generate, serve = [], Engine.generate, Engine.serve
 
     def generate_or_fail(engine, prompts, generation, seeds):
         sizes.append(len(prompts))
@@ -265,24 +265,43 @@ def fail_above(monkeypatch, limit: int, error: Exception) -> list[int]:
             raise error
         return generate(engine, prompts, generation, seeds)
 
+    def serve_or_fail(engine, prompts, generation, seeds):
+        sizes.append(min(engine.config.batch_size, len(prompts)))
+        if sizes[-1] > limit:
+            raise error
+        yield from serve(engine, prompts, generation, seeds)
+
     monkeypatch.setattr(Engine, "generate", generate_or_fail)
+    monkeypatch.setattr(Engine, "serve", serve_or_fail)
     return sizes
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("continuous,expected_sizes", [("false", [1, 4, 2, 1, 1, 1, 1, 1]), ("true", [1, 4, 2, 1])])
 @pytest.mark.parametrize("error", [__import__("torch").OutOfMemoryError("CUDA out of memory. Tried to allocate"),
                                    RuntimeError("CUDA error: out of memory")])
-def test_out_of_memory_halves_the_batch_and_loses_nothing(monkeypatch, tmp_path, error):
+def test_out_of_memory_halves_the_batch_and_loses_nothing(monkeypatch, tmp_path, error, continuous, expected_sizes):
     sizes = fail_above(monkeypatch, 1, error)
     [metrics] = evaluate(compose_config(*BASE, "engine.batch_size=4", "limit=5", "dataset.names=[demo_math]",
-                                        f"results_dir={tmp_path}"))
+                                        f"engine.continuous={continuous}", f"results_dir={tmp_path}"))
     [run] = run_dirs(tmp_path)
     batches = [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
-    assert sizes == [1, 4, 2, 1, 1, 1, 1, 1]  # the warm-up, 4 -> 2 -> 1, then 1 for good
+    assert sizes == expected_sizes  # the warm-up, 4 -> 2 -> 1, then 1 for good
     assert [batch["batch_size"] for batch in batches] == [1] * 5 and all(b["size"] == 1 for b in batches)
     rows = records(run)
     assert sorted(r["id"] for r in rows) == sorted({r["id"] for r in rows}) and len(rows) == 5
     assert metrics["n_items"] == 5
+
+
+@pytest.mark.slow
+def test_static_batches_and_continuous_batching_give_the_same_records(reference, tmp_path):
+    result = run_cli(*BASE, "method=h2o", "engine.continuous=false", f"results_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    for run in run_dirs(tmp_path):
+        dataset = json.loads((run / "run.json").read_text())["dataset"]
+        assert by_key(records(run)) == by_key(reference[dataset])
+        batches = [json.loads(line) for line in (run / "batches.jsonl").read_text().splitlines()]
+        assert not any(batch["continuous"] for batch in batches)
 
 
 def test_out_of_memory_at_batch_size_1_is_one_clear_line(monkeypatch, tmp_path):
