@@ -107,9 +107,13 @@ class EngineConfig:
     check_every: int = 16  # decode steps between host checks for finished rows
     continuous: bool = True
     prefill_rows: int = 16  # most prompts prefilled together when finished rows are refilled
+    # Fewest free rows refilled together (fewer when the queue holds fewer): a prefill of one or two
+    # prompts costs about as much as one of several (launch-bound), so refilling every row the moment
+    # it finishes pays a whole prefill per item.
+    refill_rows: int = 4
 
     def __post_init__(self):
         check_types(self, "engine")
-        for name in ("batch_size", "check_every", "prefill_rows"):
+        for name in ("batch_size", "check_every", "prefill_rows", "refill_rows"):
             if getattr(self, name) <= 0:
                 raise UserError(f"engine.{name} must be positive, got {getattr(self, name)}")

@@ -74,6 +74,7 @@ class ServeRound:
     peak_memory_bytes: int | None
     cuda_graph: bool
     rows: int  # rows decoding together
+    admitted: int  # sequences prefilled into free rows at the start of the round
 
 
 class DecodeState:
@@ -215,9 +216,12 @@ class Engine:
     # ---- a static batch ----------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """One tiny batch, so that one-time costs (kernel loading, library handles, Triton
-        compilation, graph pools) stay out of the first timed batch."""
-        self.generate([[self.pad_id] * ALIGN], GenerationConfig(max_new_tokens=4, ignore_eos=True), [0])
+        """One tiny batch of `batch_size` rows, so that one-time costs (kernel loading, library
+        handles, Triton and `torch.compile` compilation for that batch size, graph pools) stay out
+        of the first timed batch."""
+        rows = self.config.batch_size
+        self.generate([[self.pad_id] * ALIGN] * rows, GenerationConfig(max_new_tokens=4, ignore_eos=True),
+                      list(range(rows)))
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], generation: GenerationConfig, seeds: list[int],
@@ -260,7 +264,8 @@ class Engine:
         """Continuous batching over the queue `prompts` (taken in their order), `batch_size` rows at
         a time; yields a `ServeRound` at every check that finished sequences, until all are done.
 
-        The rows' cache is allocated once, for the longest prompt of the queue; each admission
+        The rows' cache is allocated once, for the longest prompt of the queue. Free rows are refilled
+        once `refill_rows` of them are free (or as many as the queue still holds); each admission
         prefills at most `prefill_rows` prompts together through a policy of their own and copies
         them into the free rows. A row left without work when the queue is empty is released and
         decodes padding, unread, until the last sequence ends.
@@ -283,7 +288,8 @@ class Engine:
         started = [0.0] * rows
         while True:
             free = [row for row in range(rows) if holder[row] is None]
-            admitted, prefill_seconds = free[:len(queue)], 0.0
+            ready = len(free) >= min(self.config.refill_rows, rows, len(queue))
+            admitted, prefill_seconds = free[:len(queue)] if ready else [], 0.0
             for first in range(0, len(admitted), self.config.prefill_rows):
                 chunk = admitted[first:first + self.config.prefill_rows]
                 indices = [queue.popleft() for _ in chunk]
@@ -308,7 +314,7 @@ class Engine:
             yield ServeRound(
                 finished=served, prefill_seconds=prefill_seconds, step_seconds=step_seconds,
                 peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if on_gpu else None,
-                cuda_graph=stepper.graph is not None, rows=rows,
+                cuda_graph=stepper.graph is not None, rows=rows, admitted=len(admitted),
             )
 
     def admit(self, cache: PolicyCache, state: DecodeState, rows: list[int], prompts: list[list[int]],

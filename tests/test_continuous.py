@@ -7,6 +7,8 @@ budget stays a hard cap after every store, attention call and step of the shared
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from conftest import capped_policy, method_variants, policy_of, tiny_model
 
@@ -29,8 +31,8 @@ TEXTS = [
 LIMITS = [40, 9, 64, 23, 5, 31]
 BUDGET = 40
 MAX_NEW = 64
-# Three rows, refilled two prompts at a time, looked at every four steps.
-SERVING = EngineConfig(batch_size=3, prefill_rows=2, check_every=4)
+# Three rows, each refilled as soon as it is free, two prompts prefilled at a time, looked at every four steps.
+SERVING = EngineConfig(batch_size=3, prefill_rows=2, refill_rows=1, check_every=4)
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +109,17 @@ def test_rows_are_refilled_until_the_queue_is_empty(qwen3):
     # Fewer decode steps than two static batches of three (each runs until its longest row ends).
     steps = sum(len(round_.step_seconds) for round_ in rounds)
     assert steps < (max(LIMITS[:3]) - 1) + (max(LIMITS[3:]) - 1)
+
+
+def test_rows_wait_until_refill_rows_are_free(qwen3):
+    """With refill_rows=2, a round refills only when two rows are free, or the queue's last item."""
+    model, tokenizer = qwen3
+    engine = Engine(model, lambda: policy_of("longflow", BUDGET), [], tokenizer.pad_token_id,
+                    replace(SERVING, refill_rows=2))
+    generation = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
+    rounds = list(engine.serve(prompts_of(tokenizer), generation, list(range(len(TEXTS))), limits=LIMITS))
+    admitted = [round_.admitted for round_ in rounds if round_.admitted]
+    assert admitted[0] == 3 and sum(admitted) == len(TEXTS)
+    assert all(count >= 2 for count in admitted[1:-1])
+    items = {item.index: item for round_ in rounds for item in round_.finished}
+    assert [len(items[i].tokens) for i in range(len(TEXTS))] == LIMITS
