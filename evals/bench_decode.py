@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import copy
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
+from evals.benchmarking import random_prompts, write_table
 from evals.configs import group_options, method_config, model_spec
 from longflow.cache import ATTENTION_NAME
 from longflow.config import EngineConfig, GenerationConfig
@@ -124,10 +124,7 @@ def main() -> None:
     spec = model_spec(args.model, weights="random", **({"dtype": args.dtype} if args.dtype else {}))
     device = resolve_device(args.device)
     model, _ = load_model(spec, device)
-    vocab = model.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(0)
-    # Ids from the lower half of the vocabulary, away from the special ids at its top.
-    prompts = torch.randint(0, vocab // 2, (args.batch, args.prompt), generator=generator).tolist()
+    prompts = random_prompts(args.batch, args.prompt, model.config.get_text_config().vocab_size)
 
     methods = args.methods.split(",")
     if not set(args.compile.split(",")) <= {"on", "off"}:
@@ -148,14 +145,9 @@ def main() -> None:
 
     table = pd.DataFrame(rows)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"\n{args.model} (random weights, {spec.dtype}), batch {args.batch}, prompt {args.prompt}, "
-          f"{args.new} new tokens, budget {args.budget}, on {gpu}")
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    setting = dict(model=args.model, batch=args.batch, prompt=args.prompt, device=gpu)
-    table.assign(**setting).to_csv(out, index=False)
-    print(f"wrote {out}")
+    heading = (f"{args.model} (random weights, {spec.dtype}), batch {args.batch}, prompt {args.prompt}, "
+               f"{args.new} new tokens, budget {args.budget}, on {gpu}")
+    write_table(table, args.out, heading, dict(model=args.model, batch=args.batch, prompt=args.prompt, device=gpu))
 
 
 if __name__ == "__main__":

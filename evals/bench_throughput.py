@@ -53,6 +53,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from evals.benchmarking import random_prompts
 from evals.configs import method_config, model_spec
 from evals.names import METHOD_NAMES, method_rank, model_name
 from longflow.config import EngineConfig, GenerationConfig
@@ -299,13 +300,6 @@ def try_measure(engine, factory, prompts, setting) -> Estimate | None:
 
 
 # ---- the figure's runs -----------------------------------------------------------------------------
-
-def random_prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
-    """Ids from the lower half of the vocabulary, away from the special ids at its top; the same
-    first rows at every batch size."""
-    generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab // 2, (batch, length), generator=generator).tolist()
-
 
 def policy_factory(method: str, budget: int) -> Callable[[], KVPolicy]:
     return functools.partial(build_policy, method_config(method), None if method == "vanilla" else budget)

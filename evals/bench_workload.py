@@ -14,7 +14,10 @@ model is built from `conf/model/<name>.yaml` with random weights and fed random 
 - continuous: `--batch` rows refilled as they finish (`Engine.serve`).
 
 Printed and written to `--out` (CSV): wall time, items per hour and useful tokens/s (the drawn
-lengths, not the padding steps) of each, and the ratio. No Hydra: the GPU image lacks it.
+lengths, not the padding steps) of each, and the ratio; and where the time went: decode steps
+(with the count the engine's rules predict, `predicted_steps`), ms per step, prefill seconds and
+the rest (graph captures, host checks). `--predict` prints the predicted step counts alone, with no
+model. No Hydra: the GPU image lacks it.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ import argparse
 import copy
 import math
 import time
-from pathlib import Path
+from collections import deque
 
 import numpy as np
 import pandas as pd
 import torch
 
+from evals.benchmarking import random_prompts, write_table
 from evals.configs import method_config, model_spec
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine, synchronize
@@ -73,44 +77,76 @@ def synchronize_all() -> None:
         synchronize(torch.device("cuda"))
 
 
-def run_static(engine: Engine, prompts, lengths, generation, batch: int) -> list[int]:
-    """Static batches in queue order; returns the tokens each item generated."""
-    tokens = []
+def run_static(engine: Engine, prompts, lengths, generation, batch: int) -> tuple[list[int], int, float, float]:
+    """Static batches in queue order; returns (the tokens each item generated, decode steps, prefill
+    seconds, decode-step seconds)."""
+    tokens, steps, prefill, decode = [], 0, 0.0, 0.0
     for start in range(0, len(prompts), batch):
         rows = range(start, min(start + batch, len(prompts)))
         result = engine.generate([prompts[i] for i in rows], generation, list(rows),
                                  limits=[lengths[i] for i in rows])
         tokens += [len(t) for t in result.tokens]
-    return tokens
+        steps, prefill, decode = steps + len(result.step_seconds), prefill + result.prefill_seconds, \
+            decode + sum(result.step_seconds)
+    return tokens, steps, prefill, decode
 
 
-def run_continuous(engine: Engine, prompts, lengths, generation) -> list[int]:
-    """Continuous batching over the queue; returns the tokens each item generated, in queue order."""
-    tokens = [0] * len(prompts)
+def run_continuous(engine: Engine, prompts, lengths, generation) -> tuple[list[int], int, float, float]:
+    """Continuous batching over the queue; returns what `run_static` does, tokens in queue order."""
+    tokens, steps, prefill, decode = [0] * len(prompts), 0, 0.0, 0.0
     for round_ in engine.serve(prompts, generation, list(range(len(prompts))), limits=lengths):
         for item in round_.finished:
             tokens[item.index] = len(item.tokens)
-    return tokens
+        steps, prefill, decode = steps + len(round_.step_seconds), prefill + round_.prefill_seconds, \
+            decode + sum(round_.step_seconds)
+    return tokens, steps, prefill, decode
+
+
+def predicted_steps(lengths: list[int], rows: int, cap: int, check_every: int, refill_rows: int) -> tuple[int, int]:
+    """The decode steps of static batches and of continuous batching over `lengths`, by the engine's
+    rules (`Engine.generate`: a batch's steps run in chunks of `check_every` until every row has
+    finished, at most cap - 1; `Engine.serve`: rows refilled once `refill_rows` are free, each
+    sequence's first token from its prefill, finished rows found at the next check)."""
+    static = 0
+    for start in range(0, len(lengths), rows):
+        longest = max(lengths[start:start + rows])
+        static += min(max(1, -(-(longest - 1) // check_every)) * check_every, cap - 1)
+    rows = min(rows, len(lengths))
+    queue, left = deque(lengths), [None] * rows  # decode steps each row still owes
+    continuous = 0
+    while True:
+        free = [row for row in range(rows) if left[row] is None]
+        if len(free) >= min(refill_rows, rows, len(queue)):
+            for row in free[:len(queue)]:
+                left[row] = queue.popleft() - 1
+        if all(steps is None for steps in left):
+            return static, continuous
+        continuous += check_every
+        left = [None if steps is None or steps <= check_every else steps - check_every for steps in left]
 
 
 def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, cap: int) -> list[dict]:
     policy = build_policy(method_config(method), None if method == "vanilla" else budget)
-    engine = Engine(model, lambda: copy.deepcopy(policy), eos_ids=[], pad_id=0,
-                    config=EngineConfig(batch_size=batch))
+    config = EngineConfig(batch_size=batch)
+    engine = Engine(model, lambda: copy.deepcopy(policy), eos_ids=[], pad_id=0, config=config)
     generation = GenerationConfig(max_new_tokens=cap, ignore_eos=True)
     engine.warm_up()
     useful = sum(lengths)
+    predicted = predicted_steps(lengths, batch, cap, config.check_every, config.refill_rows)
     rows = []
-    for mode, run in (("static", lambda: run_static(engine, prompts, lengths, generation, batch)),
-                      ("continuous", lambda: run_continuous(engine, prompts, lengths, generation))):
-        generated, seconds = timed(run)
+    for mode, run, steps_expected in (
+            ("static", lambda: run_static(engine, prompts, lengths, generation, batch), predicted[0]),
+            ("continuous", lambda: run_continuous(engine, prompts, lengths, generation), predicted[1])):
+        (generated, steps, prefill, decode), seconds = timed(run)
         if generated != lengths:
             raise RuntimeError(f"{method} {mode}: rows did not stop at their drawn lengths")
         rows.append({"method": method, "budget": None if method == "vanilla" else budget, "mode": mode,
                      "seconds": seconds, "items_per_hour": len(prompts) / seconds * 3600,
-                     "useful_tokens_per_s": useful / seconds})
+                     "useful_tokens_per_s": useful / seconds, "decode_steps": steps,
+                     "predicted_steps": steps_expected, "ms_per_step": decode / max(steps, 1) * 1e3,
+                     "prefill_seconds": prefill, "other_seconds": seconds - prefill - decode})
         print(f"{method} {mode}: {seconds:.1f} s, {rows[-1]['items_per_hour']:.0f} items/hour, "
-              f"{rows[-1]['useful_tokens_per_s']:.0f} useful tokens/s", flush=True)
+              f"{rows[-1]['useful_tokens_per_s']:.0f} useful tokens/s, {steps} decode steps", flush=True)
     rows[-1]["speedup"] = rows[-1]["items_per_hour"] / rows[-2]["items_per_hour"]
     return rows
 
@@ -129,33 +165,35 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="results/bench_workload.csv")
+    parser.add_argument("--predict", action="store_true",
+                        help="only print the decode steps each mode takes by the engine's rules (no model)")
     args = parser.parse_args(argv)
+    lengths = output_lengths(args.items, args.median, args.cap, args.at_cap, args.seed)
+    print(f"{args.items} items, output lengths: mean {np.mean(lengths):.0f}, median {np.median(lengths):.0f}, "
+          f"{np.mean(np.array(lengths) == args.cap):.0%} at the cap of {args.cap}", flush=True)
+    if args.predict:
+        config = EngineConfig(batch_size=args.batch)
+        static, continuous = predicted_steps(lengths, args.batch, args.cap, config.check_every, config.refill_rows)
+        print(f"decode steps at batch {args.batch}: static {static}, continuous {continuous} "
+              f"({static / continuous:.2f}x fewer)")
+        return pd.DataFrame([{"mode": "static", "predicted_steps": static},
+                             {"mode": "continuous", "predicted_steps": continuous}])
 
     spec = model_spec(args.model, weights="random")
     device = resolve_device(args.device)
     model, _ = load_model(spec, device)
-    vocab = model.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(args.seed)
-    # Ids from the lower half of the vocabulary, away from the special ids at its top.
-    prompts = torch.randint(0, vocab // 2, (args.items, args.prompt), generator=generator).tolist()
-    lengths = output_lengths(args.items, args.median, args.cap, args.at_cap, args.seed)
-    print(f"{args.items} items, output lengths: mean {np.mean(lengths):.0f}, median {np.median(lengths):.0f}, "
-          f"{np.mean(np.array(lengths) == args.cap):.0%} at the cap of {args.cap}", flush=True)
+    prompts = random_prompts(args.items, args.prompt, model.config.get_text_config().vocab_size, args.seed)
 
     rows = []
     for method in args.methods.split(","):
         rows += bench_method(model, method, args.budget, prompts, lengths, args.batch, args.cap)
     table = pd.DataFrame(rows)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"\n{args.model} (random weights), {args.items} items, batch {args.batch}, prompt {args.prompt}, "
-          f"output lengths log-normal (median {args.median}, {args.at_cap:.0%} at the cap {args.cap}), on {gpu}")
-    print(table.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    setting = dict(model=args.model, items=args.items, batch=args.batch, prompt=args.prompt, median=args.median,
-                   cap=args.cap, at_cap=args.at_cap, mean_length=float(np.mean(lengths)), device=gpu)
-    table.assign(**setting).to_csv(out, index=False)
-    print(f"wrote {out}")
+    heading = (f"{args.model} (random weights), {args.items} items, batch {args.batch}, prompt {args.prompt}, "
+               f"output lengths log-normal (median {args.median}, {args.at_cap:.0%} at the cap {args.cap}), on {gpu}")
+    write_table(table, args.out, heading, dict(
+        model=args.model, items=args.items, batch=args.batch, prompt=args.prompt, median=args.median, cap=args.cap,
+        at_cap=args.at_cap, mean_length=float(np.mean(lengths)), device=gpu), decimals=2)
     return table
 
 

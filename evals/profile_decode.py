@@ -23,6 +23,7 @@ import pandas as pd
 import torch
 from torch.autograd import DeviceType
 
+from evals.benchmarking import random_prompts
 from evals.configs import method_config, model_spec
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine
@@ -109,9 +110,7 @@ def main() -> None:
     spec = model_spec(args.model, weights="random")
     device = resolve_device("cuda")
     model, _ = load_model(spec, device)
-    vocab = model.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, vocab // 2, (args.batch, args.prompt), generator=generator).tolist()
+    prompts = random_prompts(args.batch, args.prompt, model.config.get_text_config().vocab_size)
 
     rows = []
     for setting in args.compile.split(","):

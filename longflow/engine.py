@@ -336,19 +336,12 @@ class Engine:
         if not rows:
             return []
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        out = state.out.index_select(0, index).tolist()
-        steps = state.step.index_select(0, index).tolist()
+        tokens, reasons = self.outputs(state, generation, index)
         peaks = cache.policy.peak_slots()
         now = time.perf_counter()
-        eos = set(self.eos_ids.tolist())
-        served = []
-        for j, row in enumerate(rows):
-            tokens = out[j][:steps[j]]
-            ended = not generation.ignore_eos and bool(tokens) and tokens[-1] in eos
-            served.append(Served(index=indices[j], tokens=tokens, finish_reason="eos" if ended else "length",
-                                 prompt_tokens=len(prompts[indices[j]]), seconds=now - started[j],
-                                 peak_slots=peaks[row]))
-        return served
+        return [Served(index=indices[j], tokens=tokens[j], finish_reason=reasons[j],
+                       prompt_tokens=len(prompts[indices[j]]), seconds=now - started[j], peak_slots=peaks[row])
+                for j, row in enumerate(rows)]
 
     # ---- shared ------------------------------------------------------------------------------
 
@@ -378,9 +371,14 @@ class Engine:
         ))
         return PolicyCache(policy, self.num_layers)
 
-    def outputs(self, state: DecodeState, generation: GenerationConfig) -> tuple[list[list[int]], list[str]]:
-        """Each row's generated ids, up to and with its first EOS, and its finish reason (syncs the host)."""
-        out, steps = state.out.tolist(), state.step.tolist()
+    def outputs(self, state: DecodeState, generation: GenerationConfig,
+                rows: torch.Tensor | None = None) -> tuple[list[list[int]], list[str]]:
+        """Each row's generated ids, up to and with its EOS, and its finish reason, for every row or
+        `rows` `[n]` (syncs the host)."""
+        out, steps = state.out, state.step
+        if rows is not None:
+            out, steps = out.index_select(0, rows), steps.index_select(0, rows)
+        out, steps = out.tolist(), steps.tolist()
         eos = set(self.eos_ids.tolist())
         tokens, reasons = [], []
         for ids, count in zip(out, steps, strict=True):

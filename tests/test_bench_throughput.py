@@ -12,6 +12,7 @@ import torch
 
 from evals import bench_throughput
 from evals.bench_throughput import Setting, fast_forward, largest_fitting, schedule, search_start, step_sum
+from evals.benchmarking import random_prompts
 from evals.configs import model_spec
 from longflow.config import EngineConfig
 from longflow.engine import DecodeState, Engine
@@ -89,7 +90,7 @@ def prefilled(model, method: str, budget: int, prompt: int, new_tokens: int, bat
     setting = Setting(prompt, new_tokens, budget)
     factory = bench_throughput.policy_factory(method, budget)
     engine = Engine(model, factory, eos_ids=[], pad_id=0, config=EngineConfig(cuda_graph=False))
-    input_ids, pad = engine.batch_inputs(bench_throughput.random_prompts(batch, prompt, engine.vocab))
+    input_ids, pad = engine.batch_inputs(random_prompts(batch, prompt, engine.vocab))
     cache = engine.new_cache(factory, batch, pad.shape[1], setting.generation)
     state = DecodeState(batch, new_tokens, engine.vocab, list(range(batch)), 0, engine.device, track_seen=False)
     engine.prefill(cache, state, input_ids, pad, setting.generation)

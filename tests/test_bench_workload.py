@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from evals.bench_workload import main, normal_quantile, output_lengths
+from evals.bench_workload import main, normal_quantile, output_lengths, predicted_steps
 
 
 def test_normal_quantile_inverts_the_cdf():
@@ -24,11 +24,22 @@ def test_lengths_have_the_median_and_the_share_at_the_cap():
     assert np.mean(lengths == 8192) == pytest.approx(0.2, abs=0.01)
 
 
-def test_a_run_on_the_tiny_model_writes_both_modes(tmp_path):
+def test_predicted_steps_by_hand():
+    # Static, rows of 2, checks every 4: batches (9, 3) and (5, 1) need 8 and 4 decode steps, both
+    # whole checks. Continuous, refill at 1: rows take 9 and 3 (8 and 2 steps owed); after the check
+    # at 4 the second row takes 5 (4 owed); at 8 both are free and take 1, the last, owing nothing;
+    # it is found at the check at 12.
+    assert predicted_steps([9, 3, 5, 1], rows=2, cap=16, check_every=4, refill_rows=1) == (12, 12)
+    # The cap bounds a static batch's steps (cap - 1 = 7, not two checks of 4).
+    assert predicted_steps([8, 8], rows=2, cap=8, check_every=4, refill_rows=1)[0] == 7
+
+
+def test_a_run_on_the_tiny_model_writes_both_modes_and_takes_the_predicted_steps(tmp_path):
     out = tmp_path / "workload.csv"
-    table = main(["--model", "tiny_qwen3", "--methods", "longflow,vanilla", "--budget", "24", "--batch", "2",
-                  "--items", "6", "--prompt", "16", "--median", "6", "--cap", "16", "--device", "cpu",
+    table = main(["--model", "tiny_qwen3", "--methods", "longflow,vanilla", "--budget", "24", "--batch", "3",
+                  "--items", "10", "--prompt", "16", "--median", "6", "--cap", "40", "--device", "cpu",
                   "--out", str(out)])
     assert out.exists()
     assert list(table["mode"]) == ["static", "continuous"] * 2
     assert (table["items_per_hour"] > 0).all() and table["speedup"].notna().sum() == 2
+    assert (table["decode_steps"] == table["predicted_steps"]).all()
