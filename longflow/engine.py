@@ -286,6 +286,7 @@ class Engine:
         queue = deque(range(len(prompts)))
         holder: list[int | None] = [None] * rows  # the prompt index each row decodes
         started = [0.0] * rows
+        released: set[int] = set()
         while True:
             free = [row for row in range(rows) if holder[row] is None]
             ready = len(free) >= min(self.config.refill_rows, rows, len(queue))
@@ -309,8 +310,10 @@ class Engine:
                                   prompts, generation)
             for row in done:
                 holder[row] = None
-            if not queue and done:
-                cache.policy.release(done)
+            idle = [row for row in range(rows) if holder[row] is None and row not in released] if not queue else []
+            if idle:  # free rows the queue can no longer fill (some may have waited for `refill_rows`)
+                cache.policy.release(idle)
+                released.update(idle)
             yield ServeRound(
                 finished=served, prefill_seconds=prefill_seconds, step_seconds=step_seconds,
                 peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if on_gpu else None,

@@ -112,10 +112,18 @@ def test_rows_are_refilled_until_the_queue_is_empty(qwen3):
 
 
 def test_rows_wait_until_refill_rows_are_free(qwen3):
-    """With refill_rows=2, a round refills only when two rows are free, or the queue's last item."""
+    """With refill_rows=2, a round refills only when two rows are free, or the queue's last item; once
+    the queue is empty, every row is released once, as it frees."""
     model, tokenizer = qwen3
-    engine = Engine(model, lambda: policy_of("longflow", BUDGET), [], tokenizer.pad_token_id,
-                    replace(SERVING, refill_rows=2))
+    released = []
+
+    def factory():
+        policy = policy_of("longflow", BUDGET)
+        release = policy.release
+        policy.release = lambda rows: (released.extend(rows), release(rows))
+        return policy
+
+    engine = Engine(model, factory, [], tokenizer.pad_token_id, replace(SERVING, refill_rows=2))
     generation = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
     rounds = list(engine.serve(prompts_of(tokenizer), generation, list(range(len(TEXTS))), limits=LIMITS))
     admitted = [round_.admitted for round_ in rounds if round_.admitted]
@@ -123,3 +131,4 @@ def test_rows_wait_until_refill_rows_are_free(qwen3):
     assert all(count >= 2 for count in admitted[1:-1])
     items = {item.index: item for round_ in rounds for item in round_.finished}
     assert [len(items[i].tokens) for i in range(len(TEXTS))] == LIMITS
+    assert sorted(released) == [0, 1, 2]
