@@ -386,7 +386,11 @@ def test_a_corrupt_run_json_is_a_user_error_when_a_run_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_is_one_line_and_the_run_resumes(tmp_path):
-    process = subprocess.Popen([sys.executable, "-m", "evals.run", *BASE, "method=h2o", f"results_dir={tmp_path}"],
+    # Long enough outputs that the run is still going when the first records appear (the short
+    # default run can end between the poll that sees them and the signal).
+    longer = ["generation.max_new_tokens=160", "generation.ignore_eos=true"]
+    process = subprocess.Popen([sys.executable, "-m", "evals.run", *BASE, *longer, "method=h2o",
+                                f"results_dir={tmp_path}"],
                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
     deadline = time.time() + 240
@@ -403,7 +407,7 @@ def test_ctrl_c_is_one_line_and_the_run_resumes(tmp_path):
     match = re.fullmatch(r"interrupted; (\d+) samples saved in (\S+); run the same command to resume", lines[0])
     assert match and Path(match.group(2)).is_dir()
     assert int(match.group(1)) == len(records(Path(match.group(2))))
-    result = run_cli(*BASE, "method=h2o", f"results_dir={tmp_path}")
+    result = run_cli(*BASE, *longer, "method=h2o", f"results_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
 
 
