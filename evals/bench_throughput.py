@@ -56,6 +56,7 @@ import torch
 from evals.benchmarking import random_prompts
 from evals.configs import method_config, model_spec
 from evals.names import METHOD_NAMES, method_rank, model_name
+from evals.run import out_of_memory
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import DecodeState, Engine, StepTimer, synchronize
 from longflow.methods import build_policy
@@ -273,16 +274,6 @@ def measure(engine: Engine, factory: Callable[[], KVPolicy], prompts: list[list[
         compressions=int(compresses[1:].sum()), compression_seconds=float(np.mean(extra)) if extra else 0.0,
         peak_memory_bytes=torch.cuda.max_memory_allocated(device) if on_gpu else None,
     )
-
-
-def out_of_memory(error: BaseException | None) -> bool:
-    """Whether `error` is, or was raised while handling, a torch.OutOfMemoryError: one raised inside
-    `torch.cuda.graph` can come out as the error of ending the aborted capture."""
-    while error is not None:
-        if isinstance(error, torch.OutOfMemoryError):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 def try_measure(engine, factory, prompts, setting) -> Estimate | None:

@@ -63,18 +63,13 @@ def output_lengths(items: int, median: int, cap: int, at_cap: float, seed: int) 
     return np.clip(np.round(draws), 1, cap).astype(int).tolist()
 
 
-def timed(run):
+def timed(run, device: torch.device):
     """(what `run()` returns, its wall seconds), device-synchronised."""
-    synchronize_all()
+    synchronize(device)
     start = time.perf_counter()
     value = run()
-    synchronize_all()
+    synchronize(device)
     return value, time.perf_counter() - start
-
-
-def synchronize_all() -> None:
-    if torch.cuda.is_available():
-        synchronize(torch.device("cuda"))
 
 
 def run_static(engine: Engine, prompts, lengths, generation, batch: int) -> tuple[list[int], int, float, float]:
@@ -137,7 +132,7 @@ def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, 
     for mode, run, steps_expected in (
             ("static", lambda: run_static(engine, prompts, lengths, generation, batch), predicted[0]),
             ("continuous", lambda: run_continuous(engine, prompts, lengths, generation), predicted[1])):
-        (generated, steps, prefill, decode), seconds = timed(run)
+        (generated, steps, prefill, decode), seconds = timed(run, engine.device)
         if generated != lengths:
             raise RuntimeError(f"{method} {mode}: rows did not stop at their drawn lengths")
         rows.append({"method": method, "budget": None if method == "vanilla" else budget, "mode": mode,

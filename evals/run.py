@@ -462,12 +462,18 @@ def graded_records(units, outputs: Outputs, job: Job, setup: Setup, engine, toke
     ]
 
 
-def out_of_memory(error: BaseException) -> bool:
-    """CUDA's out-of-memory error, or a RuntimeError that says so (raised by some kernels and older torch)."""
+def out_of_memory(error: BaseException | None) -> bool:
+    """CUDA's out-of-memory error, or a RuntimeError that says so (raised by some kernels and older
+    torch), or an error raised while handling one: one raised inside `torch.cuda.graph` can come out
+    as the error of ending the aborted capture."""
     import torch
 
-    return isinstance(error, torch.OutOfMemoryError) or (
-        isinstance(error, RuntimeError) and "out of memory" in str(error).lower())
+    while error is not None:
+        if isinstance(error, torch.OutOfMemoryError) or (
+                isinstance(error, RuntimeError) and "out of memory" in str(error).lower()):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def free_device_memory(device) -> None:
