@@ -32,6 +32,7 @@ class VanillaPolicy(KVPolicy):
     use_kernel: str = "auto"
 
     name = "vanilla"
+    fills_in_order = True  # the slot write moves next_slot on (see `decode`)
 
     def __post_init__(self):
         self.budget = None
@@ -51,11 +52,11 @@ class VanillaPolicy(KVPolicy):
 
     def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         slots = self.layers[layer]
+        # The step's token went to the slot after the last filled one, and the write moved next_slot
+        # on (`fills_in_order`), so it is now the count of filled slots. A sequence never fills the
+        # last slot (its last token is never stored); a row that decodes padding past its end
+        # (continuous batching) keeps overwriting that slot instead, next_slot being clamped to it.
         next_slot = self.next_slot[layer]  # [B, Hkv], every head equal
-        # The step's token is in slot next_slot: after the increment it is the count of filled slots.
-        # A sequence never fills the last slot (its last token is never stored); a row that decodes
-        # padding past its end (continuous batching) keeps overwriting that slot instead.
-        torch.clamp(next_slot + 1, max=slots.slots - 1, out=next_slot)
         if self.use_kernel == "triton" or (self.use_kernel == "auto" and q.is_cuda):
             return flash_decode(q, slots.keys, slots.values, slots.valid[:, 0], next_slot[:, 0], scale)
         out, _ = decode_attention(q, slots.keys, slots.values, slots.valid, scale)

@@ -187,6 +187,8 @@ class KVPolicy:
     # What the engine hands to `observe` after each forward: a subset of OBSERVABLE.
     observes: ClassVar[frozenset[str]] = frozenset()
     shared_selection = True  # one selection per layer, shared by all KV heads (set per instance)
+    # Decode tokens fill the slots in order: the slot write itself advances `next_slot` (vanilla).
+    fills_in_order: ClassVar[bool] = False
 
     def __post_init__(self):
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
@@ -362,7 +364,7 @@ class KVPolicy:
         """
         if self.prefilling:
             return k, v
-        self.slots.write(layer, k, v, self.positions)
+        self.slots.write(layer, k, v, self.positions, advance=self.fills_in_order)
         slots = self.layers[layer]
         return slots.keys, slots.values
 

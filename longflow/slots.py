@@ -27,6 +27,11 @@ import torch
 
 from longflow.selection import first_free
 
+try:
+    from longflow.kernels.slot_write import write_token
+except ImportError:  # Triton is a Linux-only dependency; the CPU path needs none
+    write_token = None
+
 
 @dataclass(frozen=True)
 class SlotState:
@@ -89,19 +94,30 @@ class SlotCache:
 
     # ---- writes --------------------------------------------------------------------------------
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """A decode token into `next_slot[layer]`: k, v `[B, Hkv, 1, D]`, positions `[B]`. Static, no sync."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+              advance: bool = False) -> None:
+        """A decode token into `next_slot[layer]`: k, v `[B, Hkv, 1, D]`, positions `[B]`. Static, no sync.
+
+        `advance`: then the next slot is the following one, at most the last (a cache filled in
+        order, whose method has nothing to choose).
+        """
         slots = self.layers[layer]
         index = self.next_slot[layer]  # [B, Hkv]
-        batch, kv_heads, _, head_dim = k.shape
-        where = index[..., None, None].expand(batch, kv_heads, 1, head_dim)
-        slots.keys.scatter_(2, where, k)
-        slots.values.scatter_(2, where, v)
-        slots.valid.scatter_(2, index[..., None], True)
-        slots.positions.scatter_(2, index[..., None], positions[:, None, None].expand(-1, kv_heads, 1))
-        for name, spec in self.states.items():
+        for name, spec in self.states.items():  # before `advance` moves the index
             value = spec.fill if spec.on_write is None else spec.on_write(v).to(spec.dtype)
             slots.state[name].scatter_(2, index[..., None], value)
+        if k.is_cuda and write_token is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
+            # One kernel for the four writes below (launches, not bytes, are their cost).
+            write_token(slots.keys, slots.values, slots.valid, slots.positions, index, k, v, positions, advance)
+        else:
+            batch, kv_heads, _, head_dim = k.shape
+            where = index[..., None, None].expand(batch, kv_heads, 1, head_dim)
+            slots.keys.scatter_(2, where, k)
+            slots.values.scatter_(2, where, v)
+            slots.valid.scatter_(2, index[..., None], True)
+            slots.positions.scatter_(2, index[..., None], positions[:, None, None].expand(-1, kv_heads, 1))
+            if advance:
+                torch.clamp(index + 1, max=slots.slots - 1, out=index)
 
     def store_prompt(self, layer: int, k: torch.Tensor, v: torch.Tensor, kept: torch.Tensor | int,
                      pad: torch.Tensor, positions: torch.Tensor) -> None:
