@@ -9,8 +9,10 @@ prints tokens/s, ms per decode step (p50, p99), time to first token and peak dev
 `--hf-generate` adds transformers' `model.generate` (SDPA attention, DynamicCache) on the same
 model, batch and lengths. Writes a CSV beside the printed table. No Hydra: the GPU image lacks it.
 `--compile off,on` times every method with the decode forward eager, then compiled
-(`longflow.compile`, the engine's `compile` option); `compile_s` is the time spent compiling in
-that row's runs (the first compiled run of a batch size compiles, the others reuse its graph).
+(`longflow.compile`, the engine's `compile` option); `tuned` and `untuned` compile with and without
+Inductor's kernel tuning (`engine.compile_tuning`; `on` tunes at batch 1 only, as the engine does).
+`compile_s` is the time spent compiling in that row's runs (the first compiled run of a batch size
+compiles, the others reuse its graph).
 
 Before timing, the first method runs `--settle` times untimed at full length: on an H200 the first
 method timed in a fresh process ran about 0.9 ms per step faster than the same method timed after
@@ -28,7 +30,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evals.benchmarking import random_prompts, write_table
+from evals.benchmarking import COMPILE_SETTINGS, compile_settings, random_prompts, write_table
 from evals.configs import group_options, method_config, model_spec
 from longflow.cache import ATTENTION_NAME
 from longflow.config import EngineConfig, GenerationConfig
@@ -38,10 +40,11 @@ from longflow.models import load_model, resolve_device
 
 
 def bench_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda_graph: bool,
-                 compile_step: bool) -> dict:
+                 compile_step: str) -> dict:
     policy = build_policy(method_config(method), None if method == "vanilla" else budget)
     engine = Engine(model, lambda: copy.deepcopy(policy), eos_ids=[], pad_id=0,
-                    config=EngineConfig(batch_size=len(prompts), cuda_graph=cuda_graph, compile=compile_step))
+                    config=EngineConfig(batch_size=len(prompts), cuda_graph=cuda_graph,
+                                        **COMPILE_SETTINGS[compile_step]))
     compiled = engine.decode_forward
     compile_before = compiled.compile_seconds if compiled else 0.0
     generation = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
@@ -57,7 +60,7 @@ def bench_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda
         "ttft_s": result.prefill_seconds,
         "peak_memory_gb": result.peak_memory_bytes / 2**30 if result.peak_memory_bytes else None,
         "peak_kv_slots": max(result.peak_slots), "cuda_graph": result.cuda_graph, "new_tokens": new_tokens,
-        "compiled": bool(compiled and not compiled.failed),
+        "compiled": bool(compiled and not compiled.failed), "tuned": compiled is not None and compiled.tuning,
         "compile_s": compiled.compile_seconds - compile_before if compiled else 0.0,
     }
 
@@ -88,15 +91,20 @@ def bench_hf_generate(model, prompts, new_tokens: int) -> dict:
         "method": "hf_generate (vanilla)", "budget": None, "tokens_per_s": len(prompts) * new_tokens / total,
         "step_ms_p50": step * 1e3, "step_ms_p99": None, "ttft_s": prefill,
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        "peak_kv_slots": None, "cuda_graph": False, "new_tokens": new_tokens, "compiled": False, "compile_s": 0.0,
+        "peak_kv_slots": None, "cuda_graph": False, "new_tokens": new_tokens, "compiled": False, "tuned": False,
+        "compile_s": 0.0,
     }
 
 
 def report(row: dict) -> None:
     """One line as each method finishes: the runs of a full-size model take minutes."""
-    compiled = f", compiled (compiling took {row['compile_s']:.1f} s)" if row["compiled"] else ""
-    print(f"{row['method']}: {row['tokens_per_s']:.0f} tokens/s, {row['step_ms_p50']:.2f} ms per step{compiled}",
-          flush=True)
+    compiled = ""
+    if row["compiled"]:
+        tuning = " with kernel tuning" if row["tuned"] else ""
+        compiled = f", compiled{tuning} (compiling took {row['compile_s']:.1f} s)"
+    memory = f", peak memory {row['peak_memory_gb']:.1f} GiB" if row["peak_memory_gb"] else ""
+    print(f"{row['method']}: {row['tokens_per_s']:.0f} tokens/s, {row['step_ms_p50']:.2f} ms per step"
+          f"{memory}{compiled}", flush=True)
 
 
 def main() -> None:
@@ -112,7 +120,9 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="default: the model config's")
     parser.add_argument("--no-cuda-graph", action="store_true")
     parser.add_argument("--compile", default="on" if EngineConfig.compile else "off",
-                        help="on, off, or both as off,on: every method timed in each setting (default: the engine's)")
+                        help="off, on (as the engine compiles), tuned or untuned (with or without Inductor's "
+                             "kernel tuning, engine.compile_tuning), or several as off,on: every method timed in "
+                             "each setting (default: the engine's)")
     parser.add_argument("--hf-generate", action="store_true", help="also time model.generate")
     parser.add_argument("--hf-new", type=int, default=None,
                         help="new tokens for model.generate (default --new); its step time barely depends on it")
@@ -127,9 +137,10 @@ def main() -> None:
     prompts = random_prompts(args.batch, args.prompt, model.config.get_text_config().vocab_size)
 
     methods = args.methods.split(",")
-    if not set(args.compile.split(",")) <= {"on", "off"}:
-        parser.error(f"--compile takes on, off or a comma-separated list of them, got {args.compile!r}")
-    settings = [value == "on" for value in args.compile.split(",")]
+    try:
+        settings = compile_settings(args.compile)
+    except ValueError as error:
+        parser.error(str(error))
     for _ in range(args.settle):
         report(bench_engine(model, methods[0], args.budget, prompts, args.new, not args.no_cuda_graph, settings[0])
                | {"method": f"{methods[0]} (settling run, not in the table)"})

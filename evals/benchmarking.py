@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: random prompts for random-weight models, and the printed table
-with its CSV."""
+"""What the benchmark scripts share: random prompts for random-weight models, the printed table with
+its CSV, and the `--compile` settings."""
 
 from __future__ import annotations
 
@@ -24,3 +24,20 @@ def write_table(table: pd.DataFrame, out: str | Path, heading: str, setting: dic
     out.parent.mkdir(parents=True, exist_ok=True)
     table.assign(**setting).to_csv(out, index=False)
     print(f"wrote {out}")
+
+
+# `--compile` values: the decode forward eager; compiled as the engine does by default (Inductor's
+# kernel tuning at a batch of one only); compiled with or without that tuning whatever the batch.
+COMPILE_SETTINGS = {"off": {"compile": False}, "on": {"compile": True},
+                    "tuned": {"compile": True, "compile_tuning": True},
+                    "untuned": {"compile": True, "compile_tuning": False}}
+
+
+def compile_settings(value: str) -> list[str]:
+    """A `--compile` argument (`on`, or several as `off,on,tuned`) as its list of settings."""
+    settings = value.split(",")
+    unknown = set(settings) - set(COMPILE_SETTINGS)
+    if unknown:
+        raise ValueError(f"--compile takes {', '.join(COMPILE_SETTINGS)} or a comma-separated list of them, "
+                         f"got {value!r}")
+    return settings

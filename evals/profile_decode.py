@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 from torch.autograd import DeviceType
 
-from evals.benchmarking import random_prompts
+from evals.benchmarking import COMPILE_SETTINGS, compile_settings, random_prompts
 from evals.configs import method_config, model_spec
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine
@@ -69,13 +69,13 @@ def profiled_policy(policy, first: int, count: int, profiler):
     return profiled
 
 
-def profile(model, method: str, budget: int, prompts, first: int, count: int, compile_step: bool):
+def profile(model, method: str, budget: int, prompts, first: int, count: int, compile_step: str):
     """(kernel times `{name: [us per call]}` over the profiled steps, median wall ms of the 16 replays
     before: vanilla's step grows with the filled slots, so only the nearest steps compare)."""
     policy = build_policy(method_config(method), None if method == "vanilla" else budget)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
     engine = Engine(model, lambda: profiled_policy(policy, first, count, profiler), eos_ids=[], pad_id=0,
-                    config=EngineConfig(batch_size=len(prompts), compile=compile_step))
+                    config=EngineConfig(batch_size=len(prompts), **COMPILE_SETTINGS[compile_step]))
     seeds = list(range(len(prompts)))
     engine.generate(prompts, GenerationConfig(max_new_tokens=4, ignore_eos=True), seeds)  # compiles, if asked
     result = engine.generate(prompts, GenerationConfig(max_new_tokens=first + count + 1, ignore_eos=True), seeds)
@@ -98,14 +98,17 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--step", type=int, default=500, help="first profiled decode step (>= 2: a replay)")
     parser.add_argument("--steps", type=int, default=5, help="profiled steps, averaged")
-    parser.add_argument("--compile", default="off,on", help="on, off, or both as off,on")
+    parser.add_argument("--compile", default="off,on",
+                        help="off, on, tuned, untuned (as evals.bench_decode), or several as off,on")
     parser.add_argument("--top", type=int, default=12, help="costliest kernels listed")
     parser.add_argument("--out", default="results/profile_decode.csv")
     args = parser.parse_args()
     if args.step < 3:
         parser.error("--step must be at least 3: steps 0 and 1 run eagerly and the wall time needs replays before it")
-    if not set(args.compile.split(",")) <= {"on", "off"}:
-        parser.error(f"--compile takes on, off or a comma-separated list of them, got {args.compile!r}")
+    try:
+        settings = compile_settings(args.compile)
+    except ValueError as error:
+        parser.error(str(error))
 
     spec = model_spec(args.model, weights="random")
     device = resolve_device("cuda")
@@ -113,9 +116,9 @@ def main() -> None:
     prompts = random_prompts(args.batch, args.prompt, model.config.get_text_config().vocab_size)
 
     rows = []
-    for setting in args.compile.split(","):
+    for setting in settings:
         for method in args.methods.split(","):
-            kernels, wall_ms = profile(model, method, args.budget, prompts, args.step, args.steps, setting == "on")
+            kernels, wall_ms = profile(model, method, args.budget, prompts, args.step, args.steps, setting)
             by_category = defaultdict(lambda: [0, 0.0])
             for name, times in kernels.items():
                 by_category[category(name)][0] += len(times) / args.steps

@@ -21,7 +21,11 @@ Only decode steps (one token per row) are compiled; prefill runs eagerly. The ba
 specialised at the first compilation and made dynamic at the first other one (Dynamo's automatic
 dynamic shapes; a batch of 1 keeps its own graph). Compilation happens at the first decode step of
 a batch, which the engine runs eagerly before capturing its graph; Inductor's default mode, since
-the engine owns the CUDA graph.
+the engine owns the CUDA graph. With `tuning` (the engine's default at a batch of one), Inductor's
+coordinate-descent tuning: at M = 1 Inductor then lowers each matmul to a Triton reduction of its
+own, fused with the norm before it or the activation and residual after it (gpt-fast's setting),
+which halves the step's launches; at larger batches the matmuls stay cuBLAS's and tuning measured
+nothing.
 """
 
 from __future__ import annotations
@@ -90,15 +94,18 @@ class OpaqueCache(Cache):
 class CompiledDecode:
     """The model's decode forward, compiled; called with the model's own keyword arguments.
 
+    `tuning`: Inductor's coordinate-descent tuning (`EngineConfig.compile_tuning`).
     `compile_seconds`: wall time of the calls that compiled (tracing, Inductor, the first run's
     autotuning), summed; each compilation is also logged. After a compilation failure (a model
     Dynamo cannot trace whole) it warns once and calls the model eagerly from then on.
     """
 
-    def __init__(self, model: PreTrainedModel, backend: str = "inductor"):
+    def __init__(self, model: PreTrainedModel, backend: str = "inductor", tuning: bool = False):
         self.model = model
         self.cache = OpaqueCache(model.config.get_text_config().num_hidden_layers)
-        self.compiled = torch.compile(self._forward, backend=backend, fullgraph=True)
+        self.tuning = tuning
+        options = {"coordinate_descent_tuning": True} if tuning else None
+        self.compiled = torch.compile(self._forward, backend=backend, fullgraph=True, options=options)
         self.compile_seconds = 0.0
         self.failed = False
 
@@ -127,9 +134,11 @@ class CompiledDecode:
         return CausalLMOutputWithPast(logits=logits, hidden_states=hidden_states)
 
 
-def compiled_decode(model: PreTrainedModel) -> CompiledDecode:
-    """The model's one `CompiledDecode`, shared by every engine over it (kept on the model, so that
-    its compiled graphs live as long as the model)."""
-    if not isinstance(getattr(model, "longflow_compiled_decode", None), CompiledDecode):
-        model.longflow_compiled_decode = CompiledDecode(model)
-    return model.longflow_compiled_decode
+def compiled_decode(model: PreTrainedModel, tuning: bool = False) -> CompiledDecode:
+    """The model's `CompiledDecode` for `tuning`, shared by every engine over it (kept on the
+    model, so that its compiled graphs live as long as the model)."""
+    if not isinstance(getattr(model, "longflow_compiled_decode", None), dict):
+        model.longflow_compiled_decode = {}
+    if tuning not in model.longflow_compiled_decode:
+        model.longflow_compiled_decode[tuning] = CompiledDecode(model, tuning=tuning)
+    return model.longflow_compiled_decode[tuning]

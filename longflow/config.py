@@ -16,7 +16,8 @@ from longflow.errors import UserError
 Config = TypeVar("Config")
 
 # The annotation of each checked field -> the Python types its value may have (bool is no int here).
-_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "int | None": (int, type(None))}
+_TYPES = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,), "int | None": (int, type(None)),
+          "bool | None": (bool, type(None))}
 
 
 def from_mapping(cls: type[Config], values: Mapping[str, Any], prefix: str) -> Config:
@@ -36,7 +37,7 @@ def check_types(config: Any, prefix: str) -> None:
             continue
         if (isinstance(value, bool) and bool not in kinds) or not isinstance(value, kinds):
             wanted = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
-                      "int | None": "an integer or null"}[str(field.type)]
+                      "int | None": "an integer or null", "bool | None": "true, false or null"}[str(field.type)]
             raise UserError(f"{prefix}.{field.name} must be {wanted}, got {value!r}")
 
 TRUNCATION_SIDES = ("left", "right")
@@ -99,11 +100,16 @@ class EngineConfig:
     `compile`: the decode step's model forward through `torch.compile` (`longflow.compile`), on a
     GPU only: on the CPU, where the tests run, compiling costs more than it saves, and the option
     is ignored like `cuda_graph`.
+    `compile_tuning`: Inductor's coordinate-descent tuning of its generated kernels (gpt-fast's
+    setting). At a batch of one it also turns the matrix-vector products into Triton reductions
+    fused with the ops around them, instead of cuBLAS calls; at larger batches the matmuls stay
+    cuBLAS's. Compiling takes about 30 s longer. None (default): on when `batch_size` is 1.
     """
 
     batch_size: int = 64  # rows decoding together
     cuda_graph: bool = True
     compile: bool = True
+    compile_tuning: bool | None = None
     check_every: int = 16  # decode steps between host checks for finished rows
     continuous: bool = True
     prefill_rows: int = 16  # most prompts prefilled together when finished rows are refilled

@@ -133,7 +133,10 @@ class Engine:
         # use the model's own frequencies and scaling (Llama 3.1's `rope_scaling` included).
         self.rotary = getattr(model.get_decoder(), "rotary_emb", None)
         # The decode steps' forward, compiled (`longflow.compile`); None: the model's own, eagerly.
-        self.decode_forward = compiled_decode(model) if self.config.compile and self.device.type == "cuda" else None
+        self.decode_forward = None
+        if self.config.compile and self.device.type == "cuda":
+            tuning = self.config.compile_tuning
+            self.decode_forward = compiled_decode(model, self.config.batch_size == 1 if tuning is None else tuning)
 
     # ---- the steps ---------------------------------------------------------------------------
 

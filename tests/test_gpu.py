@@ -179,6 +179,26 @@ def test_continuous_batching_under_graphs_gives_each_item_its_own_tokens(tiny_cu
 
 
 @pytest.mark.parametrize("method,budget", [("vanilla", None), ("longflow", 48)])
+def test_a_batch_of_one_compiles_with_kernel_tuning_and_keeps_its_tokens(tiny_cuda, method, budget):
+    """`engine.compile_tuning` left at None tunes a batch of one only; there Inductor lowers every
+    matmul to a Triton reduction of its own (not cuBLAS), and the tokens stay the eager forward's."""
+    model, tokenizer = tiny_cuda
+    prompt = [tokenizer(TEXTS[0] * 4)["input_ids"]]
+
+    def run(config):
+        engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id, config)
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=300, ignore_eos=True), [0])
+        return engine.decode_forward, result
+
+    (tuned, result), (_, eager) = run(EngineConfig(batch_size=1)), run(EngineConfig(batch_size=1, compile=False))
+    assert tuned.tuning and not tuned.failed
+    assert result.cuda_graph and result.tokens == eager.tokens
+    untuned = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id,
+                     EngineConfig(batch_size=3)).decode_forward
+    assert not untuned.tuning
+
+
+@pytest.mark.parametrize("method,budget", [("vanilla", None), ("longflow", 48)])
 def test_compiled_decoding_gives_the_uncompiled_tokens(tiny_cuda, method, budget):
     """Inductor's kernels inside the engine's CUDA graph against the eager forward, 300 steps, LongFlow
     evicting at every one. The tiny models are fp32: fusion reorders the sums of RMSNorm and the
