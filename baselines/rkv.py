@@ -29,7 +29,8 @@ from longflow.selection import choose_keep
 
 VARIANTS = ("paper", "lf_repo")
 BUDGET_MODES = ("cap", "target")
-SCORE_BYTES = 2 << 30  # S x S work scored in one call (similarity matrices and their masks)
+SCORE_BYTES = 2 << 30  # S x S temporaries of one `rkv_scores` call
+PAIR_BYTES = 6  # of them per key pair: the float32 similarity, its comparison and that flipped
 
 
 def rkv_scores(
@@ -86,17 +87,22 @@ def rkv_scores(
     importance = F.max_pool1d(importance.view(batch * kv_heads, 1, slots), kernel, stride=1,
                               padding=kernel // 2).view(batch, kv_heads, slots)
 
-    # Redundancy.
-    unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+    # Redundancy. Free slots get a zero unit key, so that they add nothing to any S_ij. The sum over
+    # rows i of S_ij is linear in the unit keys, u_j . sum_i u_i - |u_j|^2 without the diagonal, so
+    # the S x S matrix is needed only to find each row's newest duplicate, whose S_ij is then taken
+    # off its column: two passes over it (compare, search) instead of about ten (mask, compare,
+    # flip, search, scatter, mask, sum), which made this function memory-bound on the S x S
+    # temporaries at large batch.
+    unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8) * held[..., None]  # [B, Hkv, S, D]
     similarity = torch.matmul(unit, unit.transpose(-1, -2))  # [B, Hkv, S, S]
-    similarity.masked_fill_(~(held[..., :, None] & held[..., None, :]), 0.0)
     similarity.diagonal(dim1=-2, dim2=-1).zero_()
     duplicate = similarity > threshold
-    # The most recent duplicate j of row i (largest slot = newest position) is not counted.
-    newest = slots - 1 - duplicate.flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)  # [B, Hkv, S, 1]
-    retain = torch.zeros_like(duplicate).scatter_(-1, newest, duplicate.any(dim=-1, keepdim=True))
-    similarity.masked_fill_(retain, 0.0)
-    mean = similarity.sum(dim=-2) / held.sum(dim=-1, keepdim=True).clamp(min=1)  # mean over held rows i
+    # Row i's most recent duplicate j (largest slot = newest position) is not counted in column j.
+    newest = slots - 1 - duplicate.view(torch.uint8).flip(-1).argmax(dim=-1, keepdim=True)  # [B, Hkv, S, 1]
+    left_out = similarity.gather(-1, newest) * duplicate.gather(-1, newest)  # [B, Hkv, S, 1]
+    column_sums = (unit * unit.sum(dim=-2, keepdim=True)).sum(dim=-1) - unit.square().sum(dim=-1)
+    column_sums = column_sums - torch.zeros_like(column_sums).scatter_add_(-1, newest[..., 0], left_out[..., 0])
+    mean = column_sums / held.sum(dim=-1, keepdim=True).clamp(min=1)  # mean over held rows i
     redundancy = torch.softmax(mean.masked_fill(~held, -inf), dim=-1).nan_to_num(0.0)  # over held j
 
     scores = lam * importance - (1.0 - lam) * redundancy
@@ -143,8 +149,8 @@ def lf_repo_scores(
     importance = F.max_pool1d(importance, kernel, stride=1, padding=kernel // 2).mean(dim=1)  # [R, N]
 
     unit = (keys / keys.square().sum(dim=-1, keepdim=True)).masked_fill(outside[..., None], 0.0)
-    similarity = torch.matmul(unit, unit.transpose(-1, -2))  # [R, Hkv, N, N]
-    mean = similarity.sum(dim=-1) / held.sum(dim=-1).clamp(min=1)[:, None, None]  # [R, Hkv, N]
+    # Row i of their Gram matrix sums to u_i . sum_j u_j: no N x N matrix needed.
+    mean = (unit * unit.sum(dim=-2, keepdim=True)).sum(dim=-1) / held.sum(dim=-1).clamp(min=1)[:, None, None]
     redundancy = torch.softmax(mean.masked_fill(outside, float("-inf")), dim=-1).mean(dim=1)  # [R, N]
     scores = lam * importance - (1.0 - lam) * redundancy
     return scores.masked_fill(~held, float("-inf"))
@@ -396,9 +402,9 @@ class RKVPolicy(KVPolicy):
             self.prompt_scores = None
 
     def _chunked_scores(self, queries, query_valid, keys, held, scale) -> torch.Tensor:
-        """`rkv_scores` over the leading dimension in chunks of at most `SCORE_BYTES` of S x S work."""
+        """`rkv_scores` over the leading dimension in chunks of at most `SCORE_BYTES` of S x S temporaries."""
         kv_heads, slots = keys.shape[1], keys.shape[2]
-        step = max(1, SCORE_BYTES // (kv_heads * slots ** 2 * 16))
+        step = max(1, SCORE_BYTES // (kv_heads * slots ** 2 * PAIR_BYTES))
         return torch.cat([
             rkv_scores(
                 queries[i:i + step], query_valid[i:i + step], keys[i:i + step], held[i:i + step], scale,
@@ -421,14 +427,14 @@ class RKVPolicy(KVPolicy):
     def compress(self, rows: list[int]) -> None:
         """Cut the given rows (all slots held) to `keep_after` tokens, in every layer (host hook).
 
-        Layers are scored together, as many as `SCORE_BYTES` of S x S work allows: a row is cut
+        Layers are scored together, as many as `SCORE_BYTES` of S x S temporaries allow: a row is cut
         on its own whenever the rows are out of step, and one call per layer would be mostly
         kernel launches.
         """
         self.record_peak()  # the rows are full: their peak, before the cut frees slots
         spec, count = self.spec, len(rows)
         index = torch.tensor(rows, dtype=torch.long, device=spec.device)
-        per_item = spec.kv_heads * self.slots_held ** 2 * 16  # bytes of S x S temporaries per (layer, row)
+        per_item = spec.kv_heads * self.slots_held ** 2 * PAIR_BYTES  # S x S temporaries per (layer, row)
         group = max(1, SCORE_BYTES // (per_item * count))
         for start in range(0, spec.layers, group):
             layers = range(start, min(spec.layers, start + group))
@@ -444,16 +450,6 @@ class RKVPolicy(KVPolicy):
                 self.slots.compact(layer, index, keep[j * count:(j + 1) * count])
 
     # ---- lf_repo -----------------------------------------------------------------------------
-
-    def _lf_repo_chunked(self, queries, query_valid, keys, held) -> torch.Tensor:
-        """`lf_repo_scores` over the leading dimension in chunks of at most `SCORE_BYTES` of N x N work."""
-        kv_heads, count = keys.shape[1], keys.shape[2]
-        step = max(1, SCORE_BYTES // (kv_heads * count ** 2 * 16))
-        return torch.cat([
-            lf_repo_scores(queries[i:i + step], query_valid[i:i + step], keys[i:i + step], held[i:i + step],
-                           kernel=self.pool_kernel, lam=self.lam)
-            for i in range(0, keys.shape[0], step)
-        ])
 
     def _store_prompt_lf_repo(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores each row's prompt in the low slots: whole, or, for a row of more than budget -
@@ -472,8 +468,9 @@ class RKVPolicy(KVPolicy):
             rows = torch.tensor(cut, device=device)
             scored, window = length - self.protect, self.queries_held - 1
             pad = self.pad.index_select(0, rows)
-            scores = self._lf_repo_chunked(q.index_select(0, rows)[:, :, length - window:], pad[:, length - window:],
-                                           k.index_select(0, rows)[:, :, :scored], pad[:, :scored])
+            scores = lf_repo_scores(q.index_select(0, rows)[:, :, length - window:], pad[:, length - window:],
+                                    k.index_select(0, rows)[:, :, :scored], pad[:, :scored],
+                                    kernel=self.pool_kernel, lam=self.lam)
             chosen = choose_keep(scores, pad[:, :scored], self.keep_scored)  # by score, highest first
             newest = torch.arange(scored, length, device=device).expand(len(cut), -1)
             order[rows, :self.keep_after] = torch.cat([chosen, newest], dim=-1)
@@ -493,7 +490,8 @@ class RKVPolicy(KVPolicy):
         scored = self.slots_held - self.protect
         keys = slots.keys.index_select(0, rows)[:, :, :scored]
         every = torch.ones(len(self.cutting), scored, dtype=torch.bool, device=device)
-        chosen = choose_keep(self._lf_repo_chunked(queries, query_valid, keys, every), every, self.keep_scored)
+        scores = lf_repo_scores(queries, query_valid, keys, every, kernel=self.pool_kernel, lam=self.lam)
+        chosen = choose_keep(scores, every, self.keep_scored)
         tail = torch.arange(scored, self.slots_held, device=device).expand(len(self.cutting), -1)
         order = torch.cat([chosen, tail], dim=-1)  # [n, keep_after]: the slots kept, in their new order
         heads, total = slots.keys.shape[1], slots.slots

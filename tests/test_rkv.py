@@ -256,6 +256,25 @@ def test_scores_match_reference(variant, heads):
     assert_scores_match(scores, reference, held, protect)
 
 
+def test_scores_match_reference_with_free_slots_among_the_held():
+    """Free slots among the held ones, holding stale keys, add nothing to any similarity. They are
+    put among the window's slots, which the importance does not score: its max-pool runs over slot
+    neighbours and the reference's over held tokens, which differ around a hole (R-KV's held slots
+    are compacted, so a hole before the window is only ever left padding)."""
+    from baselines.rkv import rkv_scores
+
+    window, protect, kernel = 8, 8, 7
+    queries, query_valid, keys, held = random_case(1, 8, 2, slots=40, window=window, pads=[0, 0])
+    held = held.clone()
+    held[0, :, [33, 35]] = False
+    held[1, 1, [32, 38, 39]] = False
+    keys = keys.masked_fill(~held[..., None], 0.0) + (~held[..., None]) * 3.0  # stale values in free slots
+    scores = rkv_scores(queries, query_valid, keys, held, 0.25, protect=protect, kernel=kernel, lam=0.1,
+                        threshold=0.5)
+    reference = reference_scores(queries, query_valid, keys, held, 0.25, protect, kernel, 0.1, 0.5)
+    assert_scores_match(scores, reference, held, protect)
+
+
 def test_scores_reach_the_threshold_rule():
     """The case exercises duplicates: some rows have several keys above the threshold, some none."""
     queries, query_valid, keys, held = random_case(0, 8, 2, slots=40, window=8, pads=[0, 3, 11])
