@@ -13,11 +13,17 @@ model is built from `conf/model/<name>.yaml` with random weights and fed random 
 - static: batches of `--batch` items in queue order (`Engine.generate`), each until its longest row;
 - continuous: `--batch` rows refilled as they finish (`Engine.serve`).
 
+`--modes` runs one of them alone, for a scale whose two runs outlast one sitting (the ratio then
+comes from two processes).
+
 Printed and written to `--out` (CSV): wall time, items per hour and useful tokens/s (the drawn
 lengths, not the padding steps) of each, and the ratio; and where the time went: decode steps
 (with the count the engine's rules predict, `predicted_steps`), ms per step, prefill seconds and
-the rest (graph captures, host checks). `--predict` prints the predicted step counts alone, with no
-model. No Hydra: the GPU image lacks it.
+the rest (graph captures, host checks). `--predict` prints the predicted step counts alone, and the
+number of admissions (prefills of refilled rows) continuous batching makes, with no model; with
+`--refill-rows 1,2,4,8` for each value, the trade-off of refilling sooner (fewer idle row-steps)
+against prefilling fewer rows at a time (more admissions, each with a fixed cost). No Hydra: the
+GPU image lacks it.
 """
 
 from __future__ import annotations
@@ -100,38 +106,51 @@ def run_continuous(engine: Engine, prompts, lengths, generation) -> tuple[list[i
 def predicted_steps(lengths: list[int], rows: int, cap: int, check_every: int, refill_rows: int) -> tuple[int, int]:
     """The decode steps of static batches and of continuous batching over `lengths`, by the engine's
     rules (`Engine.generate`: a batch's steps run in chunks of `check_every` until every row has
-    finished, at most cap - 1; `Engine.serve`: rows refilled once `refill_rows` are free, each
-    sequence's first token from its prefill, finished rows found at the next check)."""
+    finished, at most cap - 1; `Engine.serve`: see `continuous_schedule`)."""
     static = 0
     for start in range(0, len(lengths), rows):
         longest = max(lengths[start:start + rows])
         static += min(max(1, -(-(longest - 1) // check_every)) * check_every, cap - 1)
+    return static, continuous_schedule(lengths, rows, check_every, refill_rows)[0]
+
+
+def continuous_schedule(lengths: list[int], rows: int, check_every: int, refill_rows: int) -> tuple[int, list[int]]:
+    """`Engine.serve`'s decode steps over `lengths`, and the rows each admission prefilled: rows are
+    refilled once `refill_rows` are free (fewer when the queue holds fewer), each sequence's first
+    token comes from its prefill, and finished rows are found at the next check."""
     rows = min(rows, len(lengths))
     queue, left = deque(lengths), [None] * rows  # decode steps each row still owes
-    continuous = 0
+    steps, admissions = 0, []
     while True:
         free = [row for row in range(rows) if left[row] is None]
-        if len(free) >= min(refill_rows, rows, len(queue)):
-            for row in free[:len(queue)]:
+        if queue and len(free) >= min(refill_rows, rows, len(queue)):
+            admitted = free[:len(queue)]
+            for row in admitted:
                 left[row] = queue.popleft() - 1
-        if all(steps is None for steps in left):
-            return static, continuous
-        continuous += check_every
-        left = [None if steps is None or steps <= check_every else steps - check_every for steps in left]
+            admissions.append(len(admitted))
+        if all(owed is None for owed in left):
+            return steps, admissions
+        steps += check_every
+        left = [None if owed is None or owed <= check_every else owed - check_every for owed in left]
 
 
-def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, cap: int) -> list[dict]:
+MODES = ("static", "continuous")
+
+
+def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, cap: int,
+                 refill_rows: int = EngineConfig.refill_rows, modes: tuple[str, ...] = MODES) -> list[dict]:
     policy = build_policy(method_config(method), None if method == "vanilla" else budget)
-    config = EngineConfig(batch_size=batch)
+    config = EngineConfig(batch_size=batch, refill_rows=refill_rows)
     engine = Engine(model, lambda: copy.deepcopy(policy), eos_ids=[], pad_id=0, config=config)
     generation = GenerationConfig(max_new_tokens=cap, ignore_eos=True)
     engine.warm_up()
     useful = sum(lengths)
     predicted = predicted_steps(lengths, batch, cap, config.check_every, config.refill_rows)
     rows = []
-    for mode, run, steps_expected in (
-            ("static", lambda: run_static(engine, prompts, lengths, generation, batch), predicted[0]),
-            ("continuous", lambda: run_continuous(engine, prompts, lengths, generation), predicted[1])):
+    runs = {"static": (lambda: run_static(engine, prompts, lengths, generation, batch), predicted[0]),
+            "continuous": (lambda: run_continuous(engine, prompts, lengths, generation), predicted[1])}
+    for mode in modes:
+        run, steps_expected = runs[mode]
         (generated, steps, prefill, decode), seconds = timed(run, engine.device)
         if generated != lengths:
             raise RuntimeError(f"{method} {mode}: rows did not stop at their drawn lengths")
@@ -142,7 +161,8 @@ def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, 
                      "prefill_seconds": prefill, "other_seconds": seconds - prefill - decode})
         print(f"{method} {mode}: {seconds:.1f} s, {rows[-1]['items_per_hour']:.0f} items/hour, "
               f"{rows[-1]['useful_tokens_per_s']:.0f} useful tokens/s, {steps} decode steps", flush=True)
-    rows[-1]["speedup"] = rows[-1]["items_per_hour"] / rows[-2]["items_per_hour"]
+    if len(rows) == 2:
+        rows[-1]["speedup"] = rows[-1]["items_per_hour"] / rows[-2]["items_per_hour"]
     return rows
 
 
@@ -160,19 +180,36 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="results/bench_workload.csv")
+    parser.add_argument("--refill-rows", default=str(EngineConfig.refill_rows),
+                        help="engine.refill_rows; with --predict, several as 1,2,4,8 (default: the engine's)")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="static, continuous or both (default): one mode alone fits a scale whose two "
+                             "runs would outlast one sitting")
     parser.add_argument("--predict", action="store_true",
-                        help="only print the decode steps each mode takes by the engine's rules (no model)")
+                        help="only print the decode steps each mode takes by the engine's rules, and the "
+                             "admissions of continuous batching (no model)")
     args = parser.parse_args(argv)
     lengths = output_lengths(args.items, args.median, args.cap, args.at_cap, args.seed)
     print(f"{args.items} items, output lengths: mean {np.mean(lengths):.0f}, median {np.median(lengths):.0f}, "
           f"{np.mean(np.array(lengths) == args.cap):.0%} at the cap of {args.cap}", flush=True)
+    refills = [int(value) for value in args.refill_rows.split(",")]
     if args.predict:
-        config = EngineConfig(batch_size=args.batch)
-        static, continuous = predicted_steps(lengths, args.batch, args.cap, config.check_every, config.refill_rows)
-        print(f"decode steps at batch {args.batch}: static {static}, continuous {continuous} "
-              f"({static / continuous:.2f}x fewer)")
-        return pd.DataFrame([{"mode": "static", "predicted_steps": static},
-                             {"mode": "continuous", "predicted_steps": continuous}])
+        check_every = EngineConfig.check_every
+        rows = []
+        for refill_rows in refills:
+            static, continuous = predicted_steps(lengths, args.batch, args.cap, check_every, refill_rows)
+            admissions = continuous_schedule(lengths, args.batch, check_every, refill_rows)[1]
+            print(f"decode steps at batch {args.batch}, refill_rows {refill_rows}: static {static}, continuous "
+                  f"{continuous} ({static / continuous:.2f}x fewer), in {len(admissions)} admissions")
+            rows += [{"refill_rows": refill_rows, "mode": "static", "predicted_steps": static, "admissions": None},
+                     {"refill_rows": refill_rows, "mode": "continuous", "predicted_steps": continuous,
+                      "admissions": len(admissions)}]
+        return pd.DataFrame(rows)
+    if len(refills) != 1:
+        parser.error("--refill-rows takes one value unless --predict")
+    modes = tuple(args.modes.split(","))
+    if not modes or not set(modes) <= set(MODES):
+        parser.error(f"--modes takes static, continuous or both, got {args.modes!r}")
 
     spec = model_spec(args.model, weights="random")
     device = resolve_device(args.device)
@@ -181,13 +218,14 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
     rows = []
     for method in args.methods.split(","):
-        rows += bench_method(model, method, args.budget, prompts, lengths, args.batch, args.cap)
+        rows += bench_method(model, method, args.budget, prompts, lengths, args.batch, args.cap, refills[0], modes)
     table = pd.DataFrame(rows)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     heading = (f"{args.model} (random weights), {args.items} items, batch {args.batch}, prompt {args.prompt}, "
                f"output lengths log-normal (median {args.median}, {args.at_cap:.0%} at the cap {args.cap}), on {gpu}")
     write_table(table, args.out, heading, dict(
-        model=args.model, items=args.items, batch=args.batch, prompt=args.prompt, median=args.median, cap=args.cap,
+        model=args.model, items=args.items, batch=args.batch, refill_rows=refills[0], prompt=args.prompt,
+        median=args.median, cap=args.cap,
         at_cap=args.at_cap, mean_length=float(np.mean(lengths)), device=gpu), decimals=2)
     return table
 

@@ -8,8 +8,8 @@ decode step `--step`, profiles the next `--steps` steps, CUDA-graph replays, wit
 setting: the kernels of one step by category (count, summed time, share) next to the step's wall
 time (the median of the 16 unprofiled replays just before), then the costliest kernels. At step 500 of
 prompt 512 the full cache holds 1012 slots, about its mean over 1024 new tokens. Categories come
-from the kernel names: cuBLAS matmuls, the policies' Triton attention kernels, Inductor's fused
-kernels, and PyTorch's own elementwise, reduction, indexing and copy kernels.
+from the kernel names: cuBLAS matmuls, the policies' Triton attention kernels, the slot write,
+Inductor's fused kernels, and PyTorch's own elementwise, reduction, indexing and copy kernels.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from longflow.models import load_model, resolve_device
 # First match wins: Inductor's kernel names carry the fused ops' names ("triton_poi_fused_index_...").
 CATEGORIES = (
     ("policy attention (Triton)", ("_partial_kernel", "_score_kernel", "_combine_kernel")),
+    ("slot write (Triton)", ("_write_kernel",)),
     ("Inductor fused (Triton)", ("triton_",)),
     ("matmul (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
     ("indexing, scatter, gather", ("index", "scatter", "gather")),

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from evals.bench_workload import main, normal_quantile, output_lengths, predicted_steps
+from evals.bench_workload import continuous_schedule, main, normal_quantile, output_lengths, predicted_steps
 
 
 def test_normal_quantile_inverts_the_cdf():
@@ -32,6 +32,11 @@ def test_predicted_steps_by_hand():
     assert predicted_steps([9, 3, 5, 1], rows=2, cap=16, check_every=4, refill_rows=1) == (12, 12)
     # The cap bounds a static batch's steps (cap - 1 = 7, not two checks of 4).
     assert predicted_steps([8, 8], rows=2, cap=8, check_every=4, refill_rows=1)[0] == 7
+    # The same queue, admissions by hand: both rows at first; 5 at the check at 4; then 1.
+    assert continuous_schedule([9, 3, 5, 1], rows=2, check_every=4, refill_rows=1) == (12, [2, 1, 1])
+    # Refilling two rows at once: 5 waits for the first row to be free too (at 8), then 5 and 1 go in
+    # together; 5 owes 4 steps, done at the check at 12.
+    assert continuous_schedule([9, 3, 5, 1], rows=2, check_every=4, refill_rows=2) == (12, [2, 2])
 
 
 def test_a_run_on_the_tiny_model_writes_both_modes_and_takes_the_predicted_steps(tmp_path):
@@ -42,4 +47,12 @@ def test_a_run_on_the_tiny_model_writes_both_modes_and_takes_the_predicted_steps
     assert out.exists()
     assert list(table["mode"]) == ["static", "continuous"] * 2
     assert (table["items_per_hour"] > 0).all() and table["speedup"].notna().sum() == 2
+    assert (table["decode_steps"] == table["predicted_steps"]).all()
+
+
+def test_one_mode_alone(tmp_path):
+    table = main(["--model", "tiny_qwen3", "--methods", "longflow", "--budget", "24", "--batch", "2", "--items", "4",
+                  "--prompt", "16", "--median", "6", "--cap", "16", "--device", "cpu", "--modes", "continuous",
+                  "--refill-rows", "2", "--out", str(tmp_path / "workload.csv")])
+    assert list(table["mode"]) == ["continuous"] and "speedup" not in table
     assert (table["decode_steps"] == table["predicted_steps"]).all()
