@@ -23,9 +23,8 @@ dynamic shapes; a batch of 1 keeps its own graph). Compilation happens at the fi
 a batch, which the engine runs eagerly before capturing its graph; Inductor's default mode, since
 the engine owns the CUDA graph. With `tuning` (the engine's default at a batch of one), Inductor's
 coordinate-descent tuning: at M = 1 Inductor then lowers each matmul to a Triton reduction of its
-own, fused with the norm before it or the activation and residual after it (gpt-fast's setting),
-which halves the step's launches; at larger batches the matmuls stay cuBLAS's and tuning measured
-nothing.
+own, fused with the norm before it or the activation and residual after it (gpt-fast's setting);
+at larger batches the matmuls stay cuBLAS's and tuning measured nothing (docs/engine.md).
 """
 
 from __future__ import annotations
