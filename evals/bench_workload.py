@@ -105,13 +105,19 @@ def run_continuous(engine: Engine, prompts, lengths, generation) -> tuple[list[i
 
 def predicted_steps(lengths: list[int], rows: int, cap: int, check_every: int, refill_rows: int) -> tuple[int, int]:
     """The decode steps of static batches and of continuous batching over `lengths`, by the engine's
-    rules (`Engine.generate`: a batch's steps run in chunks of `check_every` until every row has
-    finished, at most cap - 1; `Engine.serve`: see `continuous_schedule`)."""
-    static = 0
+    rules (`static_steps`, `continuous_schedule`)."""
+    return static_steps(lengths, rows, cap, check_every), continuous_schedule(lengths, rows, check_every,
+                                                                              refill_rows)[0]
+
+
+def static_steps(lengths: list[int], rows: int, cap: int, check_every: int) -> int:
+    """`Engine.generate`'s decode steps over `lengths` in batches of `rows`: a batch's steps run in
+    chunks of `check_every` until every row has finished, at most cap - 1."""
+    steps = 0
     for start in range(0, len(lengths), rows):
         longest = max(lengths[start:start + rows])
-        static += min(max(1, -(-(longest - 1) // check_every)) * check_every, cap - 1)
-    return static, continuous_schedule(lengths, rows, check_every, refill_rows)[0]
+        steps += min(max(1, -(-(longest - 1) // check_every)) * check_every, cap - 1)
+    return steps
 
 
 def continuous_schedule(lengths: list[int], rows: int, check_every: int, refill_rows: int) -> tuple[int, list[int]]:
@@ -196,9 +202,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if args.predict:
         check_every = EngineConfig.check_every
         rows = []
+        static = static_steps(lengths, args.batch, args.cap, check_every)
         for refill_rows in refills:
-            static, continuous = predicted_steps(lengths, args.batch, args.cap, check_every, refill_rows)
-            admissions = continuous_schedule(lengths, args.batch, check_every, refill_rows)[1]
+            continuous, admissions = continuous_schedule(lengths, args.batch, check_every, refill_rows)
             print(f"decode steps at batch {args.batch}, refill_rows {refill_rows}: static {static}, continuous "
                   f"{continuous} ({static / continuous:.2f}x fewer), in {len(admissions)} admissions")
             rows += [{"refill_rows": refill_rows, "mode": "static", "predicted_steps": static, "admissions": None},
@@ -225,8 +231,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                f"output lengths log-normal (median {args.median}, {args.at_cap:.0%} at the cap {args.cap}), on {gpu}")
     write_table(table, args.out, heading, dict(
         model=args.model, items=args.items, batch=args.batch, refill_rows=refills[0], prompt=args.prompt,
-        median=args.median, cap=args.cap,
-        at_cap=args.at_cap, mean_length=float(np.mean(lengths)), device=gpu), decimals=2)
+        median=args.median, cap=args.cap, at_cap=args.at_cap, mean_length=float(np.mean(lengths)), device=gpu),
+        decimals=2)
     return table
 
 

@@ -25,12 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from longflow.kernels import write_token
 from longflow.selection import first_free
-
-try:
-    from longflow.kernels.slot_write import write_token
-except ImportError:  # Triton is a Linux-only dependency; the CPU path needs none
-    write_token = None
 
 
 @dataclass(frozen=True)
@@ -106,8 +102,9 @@ class SlotCache:
         for name, spec in self.states.items():  # before `advance` moves the index
             value = spec.fill if spec.on_write is None else spec.on_write(v).to(spec.dtype)
             slots.state[name].scatter_(2, index[..., None], value)
-        if k.is_cuda and write_token is not None and k.stride(-1) == 1 and v.stride(-1) == 1:
-            # One kernel for the four writes below (launches, not bytes, are their cost).
+        if k.is_cuda and k.stride(-1) == 1 and v.stride(-1) == 1:
+            # One kernel for the four writes below (launches, not bytes, are their cost); CUDA
+            # implies Linux, where Triton is installed.
             write_token(slots.keys, slots.values, slots.valid, slots.positions, index, k, v, positions, advance)
         else:
             batch, kv_heads, _, head_dim = k.shape

@@ -1,5 +1,6 @@
-"""Decode attention kernels: LongFlow's fused Triton kernel and its plain PyTorch reference, and the
-same kernel's flash-decoding pass without the score (`flash_decode`, vanilla's attention).
+"""Decode kernels: LongFlow's fused Triton attention and its plain PyTorch reference, the same
+kernel's flash-decoding pass without the score (`flash_decode`, vanilla's attention), and the decode
+token's slot write (`write_token`).
 
 The kernel module is imported here, eagerly, so that the package attribute `longflow_attention` is
 the function (a later `import longflow.kernels.longflow_attention` does not rebind it to the
@@ -12,6 +13,7 @@ from longflow.kernels.reference import reference
 
 try:
     from longflow.kernels.longflow_attention import flash_decode, longflow_attention
+    from longflow.kernels.slot_write import write_token
 except ImportError as error:  # Triton is a Linux-only dependency
     _triton_error = error
 
@@ -21,5 +23,8 @@ except ImportError as error:  # Triton is a Linux-only dependency
     def flash_decode(*args, **kwargs):
         raise ImportError(f"the flash-decoding kernel needs Triton: {_triton_error}")
 
+    def write_token(*args, **kwargs):
+        raise ImportError(f"the slot-write kernel needs Triton: {_triton_error}")
 
-__all__ = ["flash_decode", "longflow_attention", "reference"]
+
+__all__ = ["flash_decode", "longflow_attention", "reference", "write_token"]
