@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 import warnings
 
 import torch
@@ -104,7 +105,14 @@ class CompiledDecode:
         self.cache = OpaqueCache(model.config.get_text_config().num_hidden_layers)
         self.tuning = tuning
         options = {"coordinate_descent_tuning": True} if tuning else None
-        self.compiled = torch.compile(self._forward, backend=backend, fullgraph=True, options=options)
+        # Dynamo keeps compiled graphs, and counts recompilations against `recompile_limit` (8), per
+        # code object. Every instance shared `_forward`'s: the graphs of every model, batch size and
+        # tuning in the process added up, and past the limit a fullgraph compile raises
+        # FailOnRecompileLimitHit (three tiny models with and without tuning reached it). A copy of
+        # the code per instance gives each its own count.
+        forward = types.FunctionType(CompiledDecode._forward.__code__.replace(), globals(), "_forward")
+        self.compiled = torch.compile(types.MethodType(forward, self), backend=backend, fullgraph=True,
+                                      options=options)
         self.compile_seconds = 0.0
         self.failed = False
 
@@ -120,7 +128,8 @@ class CompiledDecode:
         _active.append(kv_cache.policy)
         try:
             logits, hidden_states = self.compiled(**kwargs)
-        except torch._dynamo.exc.TorchDynamoException as error:  # raised while compiling, before any op ran
+        except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as error:
+            # Raised while compiling, before any op ran.
             warnings.warn(f"torch.compile of the decode forward failed, decoding eagerly: {error}", stacklevel=2)
             self.failed = True
             return self.model(past_key_values=past_key_values, kv_cache=kv_cache, **kwargs)

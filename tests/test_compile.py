@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LONG_TEXTS, policy_of
+from conftest import LONG_TEXTS, policy_of, tiny_model
 from torch._dynamo.utils import counters
 
 from longflow.compile import CompiledDecode
@@ -97,3 +97,22 @@ def test_continuous_batching_through_the_compiled_forward(tiny):
     before = graphs()
     assert served(CompiledDecode(model, backend="aot_eager")) == served(None)
     assert graphs() == before + 1
+
+
+@torch._dynamo.config.patch(recompile_limit=2)
+def test_each_compiled_forward_has_its_own_recompile_count():
+    """Dynamo counts recompilations per code object, and past `recompile_limit` a fullgraph compile
+    raises: the forwards of several models (or tunings) in one process must not add up. With the
+    limit at 2, the compiled forwards of two models each compile two batch sizes."""
+    torch._dynamo.reset()
+    generation = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    for family in ("llama", "qwen3"):
+        tiny = tiny_model(family)
+        model, tokenizer = tiny
+        compiled = CompiledDecode(model, backend="aot_eager")
+        for size in (3, 2):
+            prompts = [tokenizer(t)["input_ids"] for t in TEXTS[:size]]
+            expected = engine_of(tiny, "longflow", 12).generate(prompts, generation, list(range(size)))
+            result = engine_of(tiny, "longflow", 12, compiled).generate(prompts, generation, list(range(size)))
+            assert result.tokens == expected.tokens
+        assert not compiled.failed
