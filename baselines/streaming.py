@@ -27,9 +27,9 @@ Variants (`variant`):
 Deviations from the paper, `paper` variant: StreamingLLM assigns positions by index within the
 cache (keys are cached before RoPE and re-rotated), so the distance between a sink and the window
 stays bounded. Here, as for every method of this harness, keys are cached after RoPE with their
-real positions, which keep counting after eviction. The selection does not use attention; decode
-attention is the shared eager `decode_attention`, as for the other scoring methods, so their step
-times compare eviction alone.
+real positions, which keep counting after eviction. The selection does not use attention, so the
+decode attention computes no probabilities (`step_probs = False`): on CUDA it is flash decoding
+(`KVPolicy.attention_only`), the fastest attention the harness has for a cache with holes.
 
 Deviations from the authors' runs, `lf_repo` variant: with batches, their `SinkCache` takes the
 first `n_sink` entries of the left-padded cache as sinks (padding, for padded rows) and one
@@ -81,6 +81,7 @@ class StreamingPolicy(KVPolicy):
 
     name = "streaming"
     shared_selection = True  # positions are the same in every head
+    step_probs = False  # the score is the position
 
     def __post_init__(self):
         super().__post_init__()

@@ -91,6 +91,36 @@ def test_lengths_as_a_strided_view_and_past_the_end():
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("config", ["heuristic", "five_splits"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_slot_with_a_validity_mask_per_kv_head(config, dtype):
+    """No lengths (the interval methods' caches, whose free slots lie anywhere): every slot is read
+    and each KV head's own mask decides, here holes at random and garbage in the invalid slots."""
+    q, k, v, _, _ = ragged_inputs(3, 8, 2, 150, 32, dtype, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    valid = (torch.rand(3, 2, 150, generator=gen) < 0.6).to(DEVICE)
+    valid[0, 1] = False  # a KV head holding nothing: its query heads come out 0
+    k = torch.where(valid[..., None], k, torch.full_like(k, 50.0))
+    v = torch.where(valid[..., None], v, torch.full_like(v, 1e3))
+    out = flash_decode(q, k, v, valid, None, 32**-0.5, config=CONFIGS[config])
+    group = 4
+    expected = torch.stack([
+        filled_attention(q[:, h * group:(h + 1) * group], k[:, h:h + 1], v[:, h:h + 1], valid[:, h],
+                         torch.full((3,), 150, device=DEVICE), 32**-0.5)
+        for h in range(2)], dim=1).flatten(1, 2)  # [B, Hq, D]
+    expected = expected.nan_to_num(0.0)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert out[0, group:].abs().max() == 0
+    error = (out.double() - expected).norm() / expected.norm()
+    assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
+
+
+def test_rejects_a_per_head_mask_of_the_wrong_shape():
+    q, k, v, valid, lengths = ragged_inputs(2, 4, 2, 32, 16, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="per-head valid"):
+        flash_decode(q, k, v, valid[:, None, :].expand(2, 3, 32), None)
+
+
 def test_rejects_bad_lengths():
     q, k, v, valid, lengths = ragged_inputs(2, 2, 2, 32, 16, torch.float32, seed=0)
     with pytest.raises(ValueError, match="lengths"):

@@ -85,7 +85,7 @@ def _partial_kernel(
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_valid_b, stride_valid_s, stride_lengths,
+    stride_valid_b, stride_valid_h, stride_valid_s, stride_lengths,
     n_slots, n_tiles, chunk, n_splits, qk_scale,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -136,7 +136,7 @@ def _partial_kernel(
     else:
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n_slots)
-    valid_row = VALID + b * stride_valid_b
+    valid_row = VALID + b * stride_valid_b + kv_head * stride_valid_h
     # The mask is loaded one tile ahead (PREFETCH): a byte per slot is below the 4 bytes of an
     # asynchronous copy, so the compiler does not pipeline it, and an in-loop load would stall
     # every iteration for a full memory latency.
@@ -529,7 +529,7 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False):
     head_dim_pad = triton.next_power_of_2(head_dim)
     _partial_kernel[(batch * kv_heads, splits)](
         q, k, v, valid_u8, valid_u8, scratch, tile_ref, m_part, l_part, acc, out, best, arrived,
-        *q.stride(), *k.stride(), *v.stride(), *valid_u8.stride(), 0,
+        *q.stride(), *k.stride(), *v.stride(), valid_u8.stride(0), 0, valid_u8.stride(1), 0,
         slots, n_tiles, chunk, splits, scale * LOG2E,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
@@ -566,7 +566,7 @@ def flash_decode(
     k: torch.Tensor,
     v: torch.Tensor,
     valid: torch.Tensor,
-    lengths: torch.Tensor,
+    lengths: torch.Tensor | None,
     scale: float | None = None,
     *,
     config: LaunchConfig | None = None,
@@ -581,9 +581,11 @@ def flash_decode(
 
     Args:
         q: `[B, Hq, D]`; k, v: `[B, Hkv, S, D]` slot caches, any strides.
-        valid: `[B, S]` bool, False for free or padding slots; may be a strided view.
+        valid: `[B, S]` bool, False for free or padding slots, or `[B, Hkv, S]` when each KV head
+            holds its own slots; may be a strided view.
         lengths: `[B]` int32 or int64, slots filled per row (clamped to S); slots from lengths[b] on are never
-            read, whatever `valid` says. May be a strided view (`next_slot[:, 0]`).
+            read, whatever `valid` says. May be a strided view (`next_slot[:, 0]`). None: every slot
+            is read, `valid` alone masks (caches whose free slots lie anywhere).
         scale: softmax scale, `D ** -0.5` when None.
         config: tiling override (tests); `block_n`, `num_warps`, `num_stages` and `splits` are used.
 
@@ -591,13 +593,18 @@ def flash_decode(
         `[B, Hq, D]` in the dtype of q: the softmax over the valid slots among the filled ones
         (0 for a row with none).
     """
-    _check_inputs(q, k, v, valid, None)
+    per_head = valid.dim() == 3
+    if per_head and (valid.dtype != torch.bool or valid.shape != (k.shape[0], k.shape[1], k.shape[2])):
+        raise ValueError(f"a per-head valid must be a [batch, kv_heads, slots] = {tuple(k.shape[:3])} bool tensor, "
+                         f"got {valid.dtype} {tuple(valid.shape)}")
+    _check_inputs(q, k, v, valid[:, 0] if per_head else valid, None)
     batch = q.shape[0]
-    if lengths.dim() != 1 or lengths.shape[0] != batch or lengths.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"lengths must be a [batch] = [{batch}] int32 or int64 tensor, got {lengths.dtype} "
-                         f"{tuple(lengths.shape)}")
-    if lengths.device != q.device:
-        raise ValueError(f"lengths is on {lengths.device}, q on {q.device}")
+    if lengths is not None:
+        if lengths.dim() != 1 or lengths.shape[0] != batch or lengths.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"lengths must be a [batch] = [{batch}] int32 or int64 tensor, got {lengths.dtype} "
+                             f"{tuple(lengths.shape)}")
+        if lengths.device != q.device:
+            raise ValueError(f"lengths is on {lengths.device}, q on {q.device}")
     _, q_heads, head_dim = q.shape
     _, kv_heads, slots, _ = k.shape
     scale = head_dim**-0.5 if scale is None else float(scale)
@@ -605,6 +612,10 @@ def flash_decode(
     if config is None:
         config = default_config(batch, kv_heads, q_heads, slots, head_dim, sms, _l2_bytes(q.device))
     splits = min(config.splits, triton.cdiv(slots, config.block_n))
+    # Unbounded: each split a fixed share of whole tiles, as `_run` cuts them (the kernel's chunk).
+    chunk = triton.cdiv(triton.cdiv(slots, splits), config.block_n) * config.block_n
+    if lengths is None:
+        splits = triton.cdiv(slots, chunk)
     fp32_dot = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
     f32 = torch.float32
@@ -613,17 +624,19 @@ def flash_decode(
     l_part = torch.empty_like(m_part)
     acc = torch.empty(batch, q_heads, splits, head_dim, dtype=f32, device=q.device) if splits > 1 else m_part
     valid_u8 = valid.view(torch.uint8)
+    valid_strides = valid_u8.stride() if per_head else (valid_u8.stride(0), 0, valid_u8.stride(1))
     head_dim_pad = triton.next_power_of_2(head_dim)
     # Pointers of the score's buffers (T, TREF, BEST, ARRIVED) are never touched with SCORE off.
     _partial_kernel[(batch * kv_heads, splits)](
-        q, k, v, valid_u8, lengths, m_part, m_part, m_part, l_part, acc, out, m_part, m_part,
-        *q.stride(), *k.stride(), *v.stride(), *valid_u8.stride(), lengths.stride(0),
-        slots, 1, 0, splits, scale * LOG2E,
+        q, k, v, valid_u8, valid_u8 if lengths is None else lengths, m_part, m_part, m_part, l_part, acc, out,
+        m_part, m_part, *q.stride(), *k.stride(), *v.stride(), *valid_strides,
+        0 if lengths is None else lengths.stride(0),
+        slots, 1, chunk, splits, scale * LOG2E,
         KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(q_heads // kv_heads)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         ONE_SPLIT=splits == 1, SCRATCH_FP16=False, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
         VNORM_MMA=False, KV_EVICT="evict_first" if config.l2_hints else "", T_EVICT="",
-        SCORE=False, BOUNDED=True,
+        SCORE=False, BOUNDED=lengths is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits == 1:
