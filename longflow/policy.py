@@ -165,6 +165,9 @@ class Observation:
     @property
     def probs(self) -> torch.Tensor:
         if self._probs is None:
+            if self.policy.history is None:
+                raise RuntimeError(f"{self.policy.name}: the score read obs.probs, which this step did not compute "
+                                   "(the class sets step_probs = False) and no query history can give")
             newest, _, _ = self.queries(1)  # [n, Hq, 1, D]
             _, self._probs = decode_attention(newest[:, :, 0], self.keys, self.values, self.valid, self.scale)
         return self._probs

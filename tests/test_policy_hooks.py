@@ -45,6 +45,19 @@ class UnevenLayers(StreamingPolicy):
         assert sum(held) <= self.budget * len(self.layers)
 
 
+@dataclass(eq=False)
+class ProbsUndeclared(StreamingPolicy):
+    """StreamingLLM's declaration (no probabilities at the step) over a score that reads them."""
+
+    def score(self, obs):
+        return obs.probs.sum(dim=2)
+
+
+def test_a_score_reading_probs_it_declared_it_does_not_need_fails_loudly(tiny):
+    with pytest.raises(RuntimeError, match="step_probs = False"):
+        generate(tiny, lambda: ProbsUndeclared(8, n_sink=2), LONG_TEXTS, max_new_tokens=12)
+
+
 def test_total_budget_scope_lets_layers_differ(tiny):
     made = []
 
