@@ -56,9 +56,9 @@ import torch
 from evals.benchmarking import random_prompts
 from evals.configs import method_config, model_spec
 from evals.names import METHOD_NAMES, method_rank, model_name
-from evals.run import out_of_memory
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import DecodeState, Engine, StepTimer, synchronize
+from longflow.errors import out_of_memory
 from longflow.methods import build_policy
 from longflow.models import load_model, resolve_device
 from longflow.policy import ALIGN, KVPolicy

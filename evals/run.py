@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from evals.configs import CONF_DIR, group_options
-from longflow.errors import UserError, report
+from longflow.errors import UserError, out_of_memory, report
 
 GROUPS = ("model", "method", "dataset", "generation", "experiment")
 TOP_LEVEL_KEYS = ("model", "method", "dataset", "generation", "budget", "limit", "shard", "device",
@@ -460,20 +460,6 @@ def graded_records(units, outputs: Outputs, job: Job, setup: Setup, engine, toke
         }
         for row, (item, sample) in enumerate(units)
     ]
-
-
-def out_of_memory(error: BaseException | None) -> bool:
-    """CUDA's out-of-memory error, or a RuntimeError that says so (raised by some kernels and older
-    torch), or an error raised while handling one: one raised inside `torch.cuda.graph` can come out
-    as the error of ending the aborted capture."""
-    import torch
-
-    while error is not None:
-        if isinstance(error, torch.OutOfMemoryError) or (
-                isinstance(error, RuntimeError) and "out of memory" in str(error).lower()):
-            return True
-        error = error.__cause__ or error.__context__
-    return False
 
 
 def free_device_memory(device) -> None:
