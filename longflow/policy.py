@@ -166,8 +166,9 @@ class Observation:
     def probs(self) -> torch.Tensor:
         if self._probs is None:
             if self.policy.history is None:
-                raise RuntimeError(f"{self.policy.name}: the score read obs.probs, which this step did not compute "
-                                   "(the class sets step_probs = False) and no query history can give")
+                raise RuntimeError(f"{self.policy.name}: the score read obs.probs, which the step did not compute "
+                                   "(the class sets step_probs = False, or scores at an interval) and no query "
+                                   "history can give (query_window() is 0)")
             newest, _, _ = self.queries(1)  # [n, Hq, 1, D]
             _, self._probs = decode_attention(newest[:, :, 0], self.keys, self.values, self.valid, self.scale)
         return self._probs
