@@ -8,9 +8,9 @@ copying it into the rows (`Engine.admit`). For each number of rows in `--rows`, 
 admission's parts as `Engine.admit` runs them, on the model built from `conf/model/<name>.yaml` with
 random weights and random prompts of `--prompt` tokens, into a serving cache of max(`--rows`) rows:
 
-- allocate: the staged policy (`Engine.new_cache`) and its decode state;
+- allocate: the staged policy and its decode state (`Engine.stage`);
 - prefill: the prompts' forward and first token (`Engine.prefill`);
-- adopt: the copies into the rows (`KVPolicy.admit`, `DecodeState.admit`);
+- adopt: the copies into the rows (`Engine.adopt`);
 - admit: the whole `Engine.admit`, as `serve` calls it.
 
 Each part has two times, the best of `--repeats`: `host_ms`, until its Python returns (the kernels
@@ -56,18 +56,10 @@ def timed_parts(engine: Engine, cache, state: DecodeState, prompts: list[list[in
         return value
 
     input_ids, pad = engine.batch_inputs(prompts)
-    staged, staged_state = run("allocate", lambda: (
-        engine.new_cache(engine.policy_factory, len(rows), length, generation),
-        DecodeState(len(rows), generation.max_new_tokens, engine.vocab, seeds, engine.pad_id, engine.device,
-                    track_seen=state.seen is not None, limits=limits)))
+    staged, staged_state = run("allocate", lambda: engine.stage(seeds, limits, length, generation,
+                                                                track_seen=state.seen is not None))
     run("prefill", lambda: engine.prefill(staged, staged_state, input_ids, pad, generation))
-
-    def adopt():
-        index = torch.tensor(rows, dtype=torch.long, device=engine.device)
-        cache.policy.admit(index, staged.policy)
-        state.admit(index, staged_state)
-
-    run("adopt", adopt)
+    run("adopt", lambda: engine.adopt(cache, state, rows, staged, staged_state))
     run("admit", lambda: engine.admit(cache, state, rows, prompts, seeds, limits, length, generation))
     return times
 

@@ -328,10 +328,21 @@ class Engine:
         """Prefills `prompts` through a policy of their own, allocated like the rows' (prompt length
         `length`), and hands them to `rows` of `cache` and `state`."""
         input_ids, pad = self.batch_inputs(prompts)
-        staged = self.new_cache(self.policy_factory, len(prompts), length, generation)
-        staged_state = DecodeState(len(prompts), generation.max_new_tokens, self.vocab, seeds, self.pad_id,
-                                   self.device, track_seen=state.seen is not None, limits=limits)
+        staged, staged_state = self.stage(seeds, limits, length, generation, track_seen=state.seen is not None)
         self.prefill(staged, staged_state, input_ids, pad, generation)
+        self.adopt(cache, state, rows, staged, staged_state)
+
+    def stage(self, seeds: list[int], limits: list[int], length: int, generation: GenerationConfig,
+              track_seen: bool) -> tuple[PolicyCache, DecodeState]:
+        """A fresh policy and decode state for `len(seeds)` prompts padded to `length`, to prefill
+        before `adopt` hands them to rows."""
+        staged = self.new_cache(self.policy_factory, len(seeds), length, generation)
+        return staged, DecodeState(len(seeds), generation.max_new_tokens, self.vocab, seeds, self.pad_id,
+                                   self.device, track_seen=track_seen, limits=limits)
+
+    def adopt(self, cache: PolicyCache, state: DecodeState, rows: list[int], staged: PolicyCache,
+              staged_state: DecodeState) -> None:
+        """Rows `rows` of `cache` and `state` take over the sequences `staged` has just prefilled."""
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         cache.policy.admit(index, staged.policy)
         state.admit(index, staged_state)

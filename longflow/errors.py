@@ -4,8 +4,6 @@ from: running out of GPU memory."""
 
 import sys
 
-import torch
-
 
 class UserError(Exception):
     """A mistake in the user's input; the message alone must say what to change."""
@@ -21,6 +19,10 @@ def out_of_memory(error: BaseException | None) -> bool:
     """CUDA's out-of-memory error, or a RuntimeError that says so (raised by some kernels and older
     torch), or an error raised while handling one: one raised inside `torch.cuda.graph` can come out
     as the error of ending the aborted capture."""
+    # Imported here: the entry points check their configs through this module before anything
+    # needs torch, and `import evals.run` stays free of it.
+    import torch
+
     while error is not None:
         if isinstance(error, torch.OutOfMemoryError) or (
                 isinstance(error, RuntimeError) and "out of memory" in str(error).lower()):

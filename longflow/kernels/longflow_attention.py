@@ -459,6 +459,19 @@ def _check_inputs(q, k, v, valid, protect) -> None:
                          "reference on the CPU, or set TRITON_INTERPRET=1 before importing triton")
 
 
+def _even_split(slots: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(slots per split, splits launched) of a pass over all `slots` cut into at most `splits` runs
+    of whole tiles: the attention pass's split when it reads every slot (`BOUNDED` off)."""
+    chunk = triton.cdiv(triton.cdiv(slots, splits), block_n) * block_n
+    return chunk, triton.cdiv(slots, chunk)
+
+
+def _mask_strides(mask: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, KV head, slot) strides of a `[B, S]` mask shared by the heads (head stride 0) or a
+    `[B, Hkv, S]` mask of one per head."""
+    return mask.stride() if mask.dim() == 3 else (mask.stride(0), 0, mask.stride(1))
+
+
 def longflow_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -498,8 +511,7 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False):
                                 _l2_bytes(q.device))
 
     # Whole tiles per split; the split counts actually launched follow from the rounding.
-    chunk = triton.cdiv(triton.cdiv(slots, config.splits), config.block_n) * config.block_n
-    splits = triton.cdiv(slots, chunk)
+    chunk, splits = _even_split(slots, config.splits, config.block_n)
     fp16_scratch = config.scratch == "fp16"
     # fp16 scratch: a score tile is whole attention tiles (its references are per attention tile).
     block_s = max(config.block_s, config.block_n) if fp16_scratch else config.block_s
@@ -529,7 +541,7 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False):
     head_dim_pad = triton.next_power_of_2(head_dim)
     _partial_kernel[(batch * kv_heads, splits)](
         q, k, v, valid_u8, valid_u8, scratch, tile_ref, m_part, l_part, acc, out, best, arrived,
-        *q.stride(), *k.stride(), *v.stride(), valid_u8.stride(0), 0, valid_u8.stride(1), 0,
+        *q.stride(), *k.stride(), *v.stride(), *_mask_strides(valid_u8), 0,
         slots, n_tiles, chunk, splits, scale * LOG2E,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
@@ -611,11 +623,10 @@ def flash_decode(
     sms = _multiprocessors(q.device)
     if config is None:
         config = default_config(batch, kv_heads, q_heads, slots, head_dim, sms, _l2_bytes(q.device))
-    splits = min(config.splits, triton.cdiv(slots, config.block_n))
-    # Unbounded: each split a fixed share of whole tiles, as `_run` cuts them (the kernel's chunk).
-    chunk = triton.cdiv(triton.cdiv(slots, splits), config.block_n) * config.block_n
     if lengths is None:
-        splits = triton.cdiv(slots, chunk)
+        chunk, splits = _even_split(slots, config.splits, config.block_n)
+    else:  # the kernel cuts each row's filled slots itself
+        chunk, splits = 0, min(config.splits, triton.cdiv(slots, config.block_n))
     fp32_dot = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
     f32 = torch.float32
@@ -624,12 +635,11 @@ def flash_decode(
     l_part = torch.empty_like(m_part)
     acc = torch.empty(batch, q_heads, splits, head_dim, dtype=f32, device=q.device) if splits > 1 else m_part
     valid_u8 = valid.view(torch.uint8)
-    valid_strides = valid_u8.stride() if per_head else (valid_u8.stride(0), 0, valid_u8.stride(1))
     head_dim_pad = triton.next_power_of_2(head_dim)
     # Pointers of the score's buffers (T, TREF, BEST, ARRIVED) are never touched with SCORE off.
     _partial_kernel[(batch * kv_heads, splits)](
         q, k, v, valid_u8, valid_u8 if lengths is None else lengths, m_part, m_part, m_part, l_part, acc, out,
-        m_part, m_part, *q.stride(), *k.stride(), *v.stride(), *valid_strides,
+        m_part, m_part, *q.stride(), *k.stride(), *v.stride(), *_mask_strides(valid_u8),
         0 if lengths is None else lengths.stride(0),
         slots, 1, chunk, splits, scale * LOG2E,
         KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(q_heads // kv_heads)),
