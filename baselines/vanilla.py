@@ -32,10 +32,11 @@ class VanillaPolicy(KVPolicy):
     use_kernel: str = "auto"
 
     name = "vanilla"
+    uses_budget = False
     fills_in_order = True  # the slot write moves next_slot on (see `decode`)
 
     def __post_init__(self):
-        self.budget = None
+        self.budget = None  # built directly (tests) with a budget: still the full cache
         super().__post_init__()
         if self.use_kernel not in KERNELS:
             raise UserError(f"{self.name}: use_kernel must be one of {KERNELS}, got {self.use_kernel!r}")

@@ -67,9 +67,21 @@ def method_factory(config: Mapping[str, Any]) -> functools.partial:
     return _instantiate(fields)
 
 
+def uses_budget(config: Mapping[str, Any]) -> bool:
+    """Whether the run's budget bounds the method of `config` (its class's `uses_budget`)."""
+    fields = {key: value for key, value in config.items() if key != "name"}
+    if TARGET not in fields:
+        raise UserError(f"method {config.get('name', '?')!r}: its config names no class (`_target_`)")
+    target = locate(fields[TARGET])
+    return getattr(target, "uses_budget", True)
+
+
 def build_policy(config: Mapping[str, Any], budget: int | None) -> KVPolicy:
-    """The policy of a method config with the run's budget; a bad field is a UserError."""
+    """The policy of a method config with the run's budget (dropped for a method that takes none,
+    so `policy.budget` is the budget to record); a bad field is a UserError."""
     factory = method_factory(config)
+    if not uses_budget(config):
+        budget = None
     try:
         policy = factory(budget=budget)
     except TypeError as error:  # an unknown field, or a missing one

@@ -197,6 +197,9 @@ class KVPolicy:
     # A step-schedule method whose `score` reads the step's attention probabilities (`Observation.probs`);
     # without them its decode attention is flash decoding on CUDA, which computes none.
     step_probs: ClassVar[bool] = True
+    # Whether the run's `budget` bounds this method (False: the full cache, which holds every token
+    # and records no budget). `build_policy` reads it, so no caller decides by the method's name.
+    uses_budget: ClassVar[bool] = True
 
     def __post_init__(self):
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
