@@ -89,10 +89,10 @@ results: $(ENV)  ## every run's metrics in one long-format CSV (one row per run 
 	$(PY) -m evals.results --runs $(RUNS) --out results/results.csv
 
 fig1: $(ENV)  ## decode-attention microbenchmark (the paper's Figure 1); needs a CUDA GPU
-	$(PY) -m evals.bench_attention --out results
+	$(PY) -m evals.bench.attention --out results
 
 fig3: $(ENV)  ## decode throughput vs batch size and the largest batch per method (the paper's Figure 3); needs a CUDA GPU
-	$(PY) -m evals.bench_throughput --out results
+	$(PY) -m evals.bench.throughput --out results
 
 lint: $(ENV)
 	$(PY) -m ruff check .

@@ -33,6 +33,9 @@ class VanillaPolicy(KVPolicy):
 
     name = "vanilla"
     uses_budget = False
+    # One variant only: a run's identity records `paper` whatever `variant` says, so the paper and
+    # lf_repo sweeps share the full cache's runs.
+    has_variants = False
     fills_in_order = True  # the slot write moves next_slot on (see `decode`)
 
     def __post_init__(self):

@@ -2,9 +2,8 @@
 
 A method config (`conf/method/<name>.yaml`) names its class with `_target_` and lists its fields;
 a field may itself be a config with a `_target_` (AMS's scorer). The object is built with Hydra's
-`instantiate` where Hydra is installed and with `resolve`, a small resolver of the same configs,
-where it is not (benchmarks run on a GPU image without Hydra). The class checks its fields once,
-in `__post_init__`, and raises `UserError`; nothing else validates a method.
+`instantiate` from a plain dict (library users need no Hydra config tree). The class checks its
+fields once, in `__post_init__`, and raises `UserError`; nothing else validates a method.
 
 The config key `name` is the method's label in runs and tables, not a field of the class.
 """
@@ -31,21 +30,10 @@ def locate(path: str) -> Callable:
         raise UserError(f"method class {path!r} not found") from None
 
 
-def resolve(config: Mapping[str, Any], partial: bool = False) -> Any:
-    """`instantiate` without Hydra: `_target_` called with the other keys, nested `_target_` configs
-    built first; `partial` returns the call with its arguments bound instead."""
-    arguments = {key: resolve(value) if isinstance(value, Mapping) and TARGET in value else value
-                 for key, value in config.items() if key != TARGET}
-    target = locate(config[TARGET])
-    return functools.partial(target, **arguments) if partial else target(**arguments)
-
-
 def _instantiate(config: dict[str, Any]) -> functools.partial:
-    try:
-        from hydra.errors import InstantiationException
-        from hydra.utils import instantiate
-    except ImportError:
-        return resolve(config, partial=True)
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
     try:
         return instantiate(config, _partial_=True, _convert_="all")
     except InstantiationException as error:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from evals import bench_attention
+from evals.bench import attention as bench_attention
 
 
 def grid_rows() -> list[dict]:

@@ -10,12 +10,11 @@ import pandas as pd
 import pytest
 import torch
 
-from evals import bench_throughput
-from evals.bench_throughput import Setting, fast_forward, largest_fitting, schedule, search_start, step_sum
-from evals.benchmarking import random_prompts
+from evals.bench import throughput as bench_throughput
+from evals.bench.common import bench_engine, method_policy, random_prompts
+from evals.bench.throughput import Setting, fast_forward, largest_fitting, schedule, search_start, step_sum
 from evals.configs import model_spec
-from longflow.config import EngineConfig
-from longflow.engine import DecodeState, Engine
+from longflow.engine import DecodeState
 from longflow.models import load_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:rkv. budget")  # the tiny budgets shrink R-KV's interval
@@ -88,8 +87,8 @@ def test_step_sum_against_a_hand_computed_case():
 
 def prefilled(model, method: str, budget: int, prompt: int, new_tokens: int, batch: int = 2):
     setting = Setting(prompt, new_tokens, budget)
-    factory = bench_throughput.policy_factory(method, budget)
-    engine = Engine(model, factory, eos_ids=[], pad_id=0, config=EngineConfig(cuda_graph=False))
+    engine = bench_engine(model, method_policy(method, budget), cuda_graph=False)
+    factory = engine.policy_factory
     input_ids, pad = engine.batch_inputs(random_prompts(batch, prompt, engine.vocab))
     cache = engine.new_cache(factory, batch, pad.shape[1], setting.generation)
     state = DecodeState(batch, new_tokens, engine.vocab, list(range(batch)), 0, engine.device, track_seen=False)

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from evals.bench_workload import continuous_schedule, main, normal_quantile, output_lengths, predicted_steps
+from evals.bench.workload import continuous_schedule, main, normal_quantile, output_lengths, predicted_steps
 
 
 def test_normal_quantile_inverts_the_cdf():

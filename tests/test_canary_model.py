@@ -16,8 +16,8 @@ from evals.canary.task import CanaryTask
 from evals.configs import model_spec
 from evals.datasets import Item
 from evals.grading import grade
+from evals.pipeline import decode
 from evals.prompts import build_messages, render_prompt
-from evals.run import decode
 from longflow.config import GenerationConfig
 from longflow.engine import Engine
 from longflow.fidelity import teacher_force

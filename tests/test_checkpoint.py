@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from evals.configs import read_group
+from evals.configs import group_config
 from longflow.tokenizer import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ MATH_INSTRUCTION = "Please reason step by step, and put your final answer within
 
 def write_checkpoint(folder: Path, family: str, chat_format: str, stop_token: str) -> None:
     """A tiny `family` checkpoint whose greedy output after "\\n" is ANSWER, then `stop_token`."""
-    architecture = {**read_group("model", f"tiny_{family}")["architecture"], "tie_word_embeddings": False,
+    architecture = {**group_config("model", f"tiny_{family}")["architecture"], "tie_word_embeddings": False,
                     "max_position_embeddings": 4096}
     config = AutoConfig.for_model(**architecture)
     tokenizer = build_tokenizer(config.vocab_size, chat_format)

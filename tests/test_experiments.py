@@ -1,28 +1,49 @@
-"""The experiment configs compose as their headers say: Table 1 runs the LongFlow authors' setting."""
+"""The experiment configs compose as their headers say (Table 1 runs the LongFlow authors' setting),
+and every experiment's every sweep point composes into a checked run setup (as
+lightning-hydra-template's test_sweeps)."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from evals.configs import CONF_DIR
-from evals.run import Job, Setup
+from evals.configs import CONF_DIR, compose_config, group_options
+from evals.pipeline import Job, Setup
+from evals.sweeps import sweep_jobs
+from tests.helpers.runs import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TABLE1_METHODS = yaml.safe_load((CONF_DIR / "experiment" / "table1.yaml").read_text())["hydra"]["sweeper"]["params"][
     "method"].split(",")
+# Small budgets shrink the compression interval of interval methods, with a warning expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:.*leaves no room:UserWarning")
 
 
 def composed(*overrides: str) -> dict:
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)
+    return compose_config(overrides)
+
+
+@pytest.mark.parametrize("experiment", group_options("experiment"))
+def test_every_experiment_sweep_point_composes_and_checks(experiment):
+    jobs = sweep_jobs([f"experiment={experiment}"])
+    swept = yaml.safe_load((CONF_DIR / "experiment" / f"{experiment}.yaml").read_text())["hydra"]["sweeper"]["params"]
+    assert len(jobs) == math.prod(len(str(values).split(",")) for values in swept.values())
+    for job in jobs:
+        cfg = composed(*job)
+        setup = Setup.from_config(cfg)
+        for key, value in (override.split("=", 1) for override in job if not override.startswith("experiment=")):
+            assert str(cfg[key]["name"] if isinstance(cfg[key], dict) else cfg[key]) == value
+        assert setup.method == cfg["method"]["name"]
+
+
+def test_the_command_line_replaces_an_experiments_sweep():
+    jobs = sweep_jobs(["experiment=demo", "method=h2o,longflow", "budget=96"])
+    assert [sorted(job) for job in jobs] == [["budget=96", "experiment=demo", "method=h2o"],
+                                             ["budget=96", "experiment=demo", "method=longflow"]]
 
 
 def test_table1_sweeps_every_method():

@@ -281,7 +281,7 @@ def test_fidelity_joins_the_run_and_resumes(tmp_path):
         assert again["agreement"] == record["agreement"]
         np.testing.assert_allclose(again["kl"], record["kl"], rtol=2e-3, atol=1e-7)
 
-    regraded = subprocess.run([sys.executable, "-m", "evals.grade", str(run)], cwd=REPO, capture_output=True,
+    regraded = subprocess.run([sys.executable, "-m", "evals.grading", str(run)], cwd=REPO, capture_output=True,
                               text=True, timeout=120)
     assert regraded.returncode == 0, regraded.stderr
     assert json.loads((run / "metrics.json").read_text())["fidelity"] == summarize_fidelity(fidelity_records(run))

@@ -19,7 +19,7 @@ import yaml
 
 from evals import gpus
 from evals.grading import grade
-from tests.test_run import BASE, REPO, records, run_cli, run_dirs
+from tests.helpers.runs import BASE, REPO, records, run_cli, run_dirs
 
 SWEEP = ["-m", *BASE, "method=h2o,streaming", "dataset.names=[demo_math],[demo_gpqa]", "limit=2"]
 

@@ -3,7 +3,7 @@ time of a part never below its host time (it waits for the host's work and then 
 
 from __future__ import annotations
 
-from evals.profile_admission import PARTS, main
+from evals.bench.profile_admission import PARTS, main
 
 
 def test_every_part_of_every_row_count_is_timed(tmp_path, capsys):

@@ -104,15 +104,18 @@ def test_truncation_keeps_the_end_or_the_start():
 
 
 def test_lf_repo_generation_is_the_authors_setting():
-    from evals.configs import read_group
+    from evals.configs import compose_config
     from longflow.config import GenerationConfig
 
-    fields = read_group("generation", "lf_repo")
+    def generation_of(name: str) -> dict:  # with the paper's datasets (the canary bounds the output)
+        return compose_config([f"generation={name}", "dataset=all"])["generation"]
+
+    fields = generation_of("lf_repo")
     assert (fields.pop("name"), fields.pop("protocol")) == ("lf_repo", "lf_repo")
     generation = GenerationConfig(**fields)
     assert generation.greedy and generation.max_new_tokens == 8192 and generation.repetition_penalty == 1.2
     assert (generation.max_prompt_tokens, generation.truncation_side) == (1000, "right")
     for name in ("greedy", "sampling"):
-        assert read_group("generation", name)["truncation_side"] == "left"
+        assert generation_of(name)["truncation_side"] == "left"
     with pytest.raises(UserError, match="truncation_side"):
         GenerationConfig(truncation_side="middle")

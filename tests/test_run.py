@@ -12,29 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from evals.configs import CONF_DIR
-from evals.run import check_overrides, evaluate
+from evals.configs import compose_config as composed
+from evals.pipeline import evaluate
+from evals.run import check_overrides
 from longflow.errors import UserError
-
-REPO = Path(__file__).resolve().parents[1]
-BASE = ["model=tiny_qwen3", "dataset=demo", "generation.max_new_tokens=24", "budget=48", "device=cpu",
-        "engine.batch_size=2", "grading.workers=1"]
-
-
-def run_cli(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "evals.run", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
-
-
-def run_dirs(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-
-
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "generations.jsonl").read_text().splitlines()]
+from tests.helpers.runs import BASE, REPO, records, run_cli, run_dirs
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +97,7 @@ def test_identity_ignores_batch_size_but_not_budget(reference, tmp_path):
         (["dataset=gsm8k", "dataset.root=/nonexistent/data"], "gsm8k.jsonl"),
         (["generation.max_new_tokens=abc"], "generation.max_new_tokens must be an integer, got 'abc'"),
         (["+generation.foo=1"], "unknown key generation.foo; generation takes: max_new_tokens"),
-        (["generation.foo=1"], "Could not override 'generation.foo'"),
+        (["generation.foo=1"], "unknown key generation.foo; generation takes: ignore_eos"),
         (["grading.timeout=2.5"], "grading.timeout must be a positive integer, got 2.5"),
         (["-m", "method=h2o,vanilla", "budget=64,abc"], "budget must be a positive integer"),
         (["method=rkv", "budget=8"], "rkv: budget 8 too small"),
@@ -140,7 +123,7 @@ def assert_refused_before_loading(result: subprocess.CompletedProcess, needle: s
         (["generation.temperature=hot"], "generation.temperature must be a number"),
         (["device=foo"], "device must be auto, cpu, cuda or cuda:N, got 'foo'"),
         (["+generation.foo=1"], "unknown key generation.foo; generation takes: max_new_tokens"),
-        (["generation.foo=1"], "Could not override 'generation.foo'"),
+        (["generation.foo=1"], "unknown key generation.foo; generation takes: ignore_eos"),
         (["+foo=1"], "unknown key foo"),
         (["+grading.retries=1"], "unknown key grading.retries"),
         (["grading.workers=0"], "grading.workers must be a positive integer, got 0"),
@@ -162,8 +145,7 @@ def test_every_config_value_is_checked_before_anything_runs(args, needle):
 
 
 def compose_config(*overrides: str) -> dict:
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        return OmegaConf.to_container(compose("config", overrides=list(overrides)), resolve=True)
+    return composed(overrides)
 
 
 @pytest.fixture
@@ -173,7 +155,7 @@ def no_model(monkeypatch):
     def load_model(*args, **kwargs):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr("longflow.models.load_model", load_model)
+    monkeypatch.setattr("evals.pipeline.load_model", load_model)
 
 
 GOOD_ROW = '{"index": 0, "question": "1+1?", "true_answer": "2"}\n'
@@ -227,7 +209,7 @@ def test_regrade_reproduces_stored_grades(reference, tmp_path):
     assert run.returncode == 0, run.stderr
     for directory in run_dirs(tmp_path):
         before = records(directory)
-        result = subprocess.run([sys.executable, "-m", "evals.grade", str(directory)], cwd=REPO, capture_output=True,
+        result = subprocess.run([sys.executable, "-m", "evals.grading", str(directory)], cwd=REPO, capture_output=True,
                                 text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert records(directory) == before
@@ -235,7 +217,7 @@ def test_regrade_reproduces_stored_grades(reference, tmp_path):
 
 
 def test_regrade_rejects_a_non_run_directory(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "evals.grade", str(tmp_path)], cwd=REPO, capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "evals.grading", str(tmp_path)], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
 
@@ -321,7 +303,7 @@ def test_a_smaller_limit_reports_only_its_items(tmp_path):
     [run] = run_dirs(tmp_path)
     assert wide["n_items"] == 4 and narrow["n_items"] == 2
     assert len(records(run)) == 4  # the other items' records stay in the file
-    subprocess.run([sys.executable, "-m", "evals.grade", str(run)], cwd=REPO, check=True, timeout=120,
+    subprocess.run([sys.executable, "-m", "evals.grading", str(run)], cwd=REPO, check=True, timeout=120,
                    capture_output=True)
     assert json.loads((run / "metrics.json").read_text())["n_items"] == 2
 
@@ -342,12 +324,12 @@ RECORD = {"id": "0", "sample": 0, "output": "</think>\\boxed{2}", "finish_reason
 
 
 def regrade_cli(run: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "evals.grade", str(run)], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "evals.grading", str(run)], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
 
 
 def test_regrade_refuses_a_run_being_written(tmp_path):
-    """evals.grade rewrites generations.jsonl: while a run holds the lock, it must not."""
+    """evals.grading rewrites generations.jsonl: while a run holds the lock, it must not."""
     from evals.store import lock_run
 
     run = fake_run(tmp_path / "run", json.dumps(RECORD) + "\n")
@@ -415,7 +397,7 @@ def test_ctrl_c_is_one_line_and_the_run_resumes(tmp_path):
 def test_a_local_checkpoint_is_part_of_the_identity(tmp_path):
     """A local folder has no revision: its weights' content names the run, so a retrained model starts
     new runs instead of resuming the old model's."""
-    from evals.run import checkpoint_fingerprint
+    from evals.pipeline import checkpoint_fingerprint
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"weights")

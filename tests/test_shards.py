@@ -17,7 +17,7 @@ from evals.shards import Shard
 from evals.store import GENERATIONS, RunDir, lock_run, run_name
 from evals.table import build_table, collect
 from longflow.errors import UserError
-from tests.test_run import BASE, REPO, records, run_cli, run_dirs
+from tests.helpers.runs import BASE, REPO, records, run_cli, run_dirs
 
 SHARDED = [*BASE, "method=h2o", "dataset.names=[demo_math]"]
 
@@ -92,7 +92,7 @@ def test_shard_locks(tmp_path):
         with pytest.raises(UserError, match="is being written by another process"):
             RunDir(tmp_path, IDENTITY)  # the whole run while a shard writes it: no
         with pytest.raises(UserError, match="is being written by another process"):
-            lock_run(tmp_path / run_name(IDENTITY))  # nor a re-grade (evals.grade)
+            lock_run(tmp_path / run_name(IDENTITY))  # nor a re-grade (evals.grading)
     with RunDir(tmp_path, IDENTITY), pytest.raises(UserError, match="is being written by another process"):
         RunDir(tmp_path, IDENTITY, Shard(1, 2))
 

@@ -1,8 +1,8 @@
 """Where a decode step's time goes: the kernels of replayed decode steps, by category.
 
-    python -m evals.profile_decode --model qwen3_8b --batch 128 --prompt 512 --budget 1024 --step 500
+    python -m evals.bench.profile_decode --model qwen3_8b --batch 128 --prompt 512 --budget 1024 --step 500
 
-Runs the engine as `evals.bench_decode` does (random weights and prompt tokens, EOS ignored) up to
+Runs the engine as `evals.bench.decode` does (random weights and prompt tokens, EOS ignored) up to
 decode step `--step`, profiles the next `--steps` steps, CUDA-graph replays, with torch.profiler
 (CUPTI records each kernel of a replayed graph), and prints, for each method and `--compile`
 setting: the kernels of one step by category (count, summed time, share) next to the step's wall
@@ -23,11 +23,10 @@ import pandas as pd
 import torch
 from torch.autograd import DeviceType
 
-from evals.benchmarking import COMPILE_SETTINGS, compile_settings, random_prompts
-from evals.configs import method_config, model_spec
+from evals.bench.common import COMPILE_SETTINGS, compile_settings, method_policy, random_prompts
+from evals.configs import model_spec
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine
-from longflow.methods import build_policy
 from longflow.models import load_model, resolve_device
 
 # First match wins: Inductor's kernel names carry the fused ops' names ("triton_poi_fused_index_...").
@@ -73,7 +72,7 @@ def profiled_policy(policy, first: int, count: int, profiler):
 def profile(model, method: str, budget: int, prompts, first: int, count: int, compile_step: str):
     """(kernel times `{name: [us per call]}` over the profiled steps, median wall ms of the 16 replays
     before: vanilla's step grows with the filled slots, so only the nearest steps compare)."""
-    policy = build_policy(method_config(method), None if method == "vanilla" else budget)
+    policy = method_policy(method, budget)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
     engine = Engine(model, lambda: profiled_policy(policy, first, count, profiler), eos_ids=[], pad_id=0,
                     config=EngineConfig(batch_size=len(prompts), **COMPILE_SETTINGS[compile_step]))
@@ -100,7 +99,7 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=500, help="first profiled decode step (>= 2: a replay)")
     parser.add_argument("--steps", type=int, default=5, help="profiled steps, averaged")
     parser.add_argument("--compile", default="off,on",
-                        help="off, on, tuned, untuned (as evals.bench_decode), or several as off,on")
+                        help="off, on, tuned, untuned (as evals.bench.decode), or several as off,on")
     parser.add_argument("--top", type=int, default=12, help="costliest kernels listed")
     parser.add_argument("--out", default="results/profile_decode.csv")
     args = parser.parse_args()

@@ -1,9 +1,9 @@
 """Decode throughput against batch size, and the largest batch each method fits: the LongFlow paper's Figure 3.
 
-    python -m evals.bench_throughput                     # Qwen3-8B, prompt 512, 8192 new tokens, six methods
-    python -m evals.bench_throughput --methods vanilla,longflow --batches 16,64 --new 2048
-    python -m evals.bench_throughput --validate --methods vanilla,longflow --batches 64 --new 2048 --budget 512
-    python -m evals.bench_throughput --replot results/fig3.csv    # redraw fig3.png from the CSV (CPU)
+    python -m evals.bench.throughput                     # Qwen3-8B, prompt 512, 8192 new tokens, six methods
+    python -m evals.bench.throughput --methods vanilla,longflow --batches 16,64 --new 2048
+    python -m evals.bench.throughput --validate --methods vanilla,longflow --batches 64 --new 2048 --budget 512
+    python -m evals.bench.throughput --replot results/fig3.csv    # redraw fig3.png from the CSV (CPU)
 
 The model is built from `conf/model/<name>.yaml` with random weights and fed random prompts of
 `--prompt` tokens; EOS is ignored, so every row generates `--new` tokens. The compressing methods
@@ -42,7 +42,6 @@ to within `--tolerance` rows. Memory is freed between trials (gc + `torch.cuda.e
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import time
 from collections.abc import Callable
@@ -53,13 +52,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evals.benchmarking import random_prompts
-from evals.configs import method_config, model_spec
+from evals.bench.common import bench_engine, method_policy, random_prompts
+from evals.configs import model_spec
 from evals.names import METHOD_NAMES, method_rank, model_name
-from longflow.config import EngineConfig, GenerationConfig
+from longflow.config import GenerationConfig
 from longflow.engine import DecodeState, Engine, StepTimer, synchronize
 from longflow.errors import out_of_memory
-from longflow.methods import build_policy
 from longflow.models import load_model, resolve_device
 from longflow.policy import ALIGN, KVPolicy
 from longflow.selection import first_free
@@ -292,15 +290,11 @@ def try_measure(engine, factory, prompts, setting) -> Estimate | None:
 
 # ---- the figure's runs -----------------------------------------------------------------------------
 
-def policy_factory(method: str, budget: int) -> Callable[[], KVPolicy]:
-    return functools.partial(build_policy, method_config(method), None if method == "vanilla" else budget)
-
-
-def estimate_row(method: str, batch: int, setting: Setting, estimate: Estimate) -> dict:
+def estimate_row(method: str, budget: int | None, batch: int, setting: Setting, estimate: Estimate) -> dict:
     seconds = estimate.total_seconds(setting.new_tokens)
     peak = estimate.peak_memory_bytes
     return {
-        "method": method, "budget": None if method == "vanilla" else setting.budget, "batch": batch,
+        "method": method, "budget": budget, "batch": batch,
         "tokens_per_s": batch * setting.new_tokens / seconds, "seconds": seconds,
         "setup_s": estimate.setup_seconds, "step_ms_first": estimate.step_seconds[0] * 1e3,
         "step_ms_last": estimate.step_seconds[-1] * 1e3, "compressions": estimate.compressions,
@@ -329,14 +323,15 @@ def method_rows(model, method: str, setting: Setting, batches: list[int], tolera
                 limit: int) -> list[dict]:
     """Every batch of `batches` up to the first that does not fit, then the search for the largest;
     a row per batch that fits, each with the method's `max_batch` and `oom_batch`."""
-    factory = policy_factory(method, setting.budget)
-    engine = Engine(model, factory, eos_ids=[], pad_id=0, config=EngineConfig())
+    policy = method_policy(method, setting.budget)
+    engine = bench_engine(model, policy)
+    factory = engine.policy_factory
     rows: dict[int, dict | None] = {}
 
     def fits(batch: int) -> bool:
         if batch not in rows:
             estimate = try_measure(engine, factory, random_prompts(batch, setting.prompt, engine.vocab), setting)
-            rows[batch] = estimate_row(method, batch, setting, estimate) if estimate else None
+            rows[batch] = estimate_row(method, policy.budget, batch, setting, estimate) if estimate else None
             report(method, batch, rows[batch])
         return rows[batch] is not None
 
@@ -361,13 +356,14 @@ def validate(model, methods: list[str], setting: Setting, batches: list[int]) ->
     """The estimate against the wall time of a full `Engine.generate`, warm, at each method and batch."""
     rows = []
     for method in methods:
-        factory = policy_factory(method, setting.budget)
-        engine = Engine(model, factory, eos_ids=[], pad_id=0, config=EngineConfig())
+        policy = method_policy(method, setting.budget)
+        engine = bench_engine(model, policy)
+        factory = engine.policy_factory
         for batch in batches:
             prompts = random_prompts(batch, setting.prompt, engine.vocab)
             seeds = list(range(batch))
             engine.generate(prompts, GenerationConfig(max_new_tokens=4, ignore_eos=True), seeds)  # warm-up
-            estimate = estimate_row(method, batch, setting, measure(engine, factory, prompts, setting))
+            estimate = estimate_row(method, policy.budget, batch, setting, measure(engine, factory, prompts, setting))
             gc.collect()
             synchronize(engine.device)
             start = time.perf_counter()

@@ -1,7 +1,7 @@
 """Where a continuous-batching admission's time goes: the host's part against the device's.
 
-    python -m evals.profile_admission --model qwen3_8b --method longflow --budget 512 --rows 1,2,4,8,16
-    python -m evals.profile_admission --model tiny_qwen3 --device cpu --rows 1,2 --prompt 32
+    python -m evals.bench.profile_admission --model qwen3_8b --method longflow --budget 512 --rows 1,2,4,8,16
+    python -m evals.bench.profile_admission --model tiny_qwen3 --device cpu --rows 1,2 --prompt 32
 
 `Engine.serve` refills free rows by prefilling their prompts through a policy of their own and
 copying it into the rows (`Engine.admit`). For each number of rows in `--rows`, this times the
@@ -16,24 +16,22 @@ random weights and random prompts of `--prompt` tokens, into a serving cache of 
 Each part has two times, the best of `--repeats`: `host_ms`, until its Python returns (the kernels
 enqueued), and `wall_ms`, until the device has run them too. A part whose two times agree waits on
 the host (launch overhead); one whose wall time is longer waits on the device. `--profile N` also
-prints torch.profiler's table of one admission of N rows, by device time. No Hydra: the GPU image
-lacks it.
+prints torch.profiler's table of one admission of N rows, by device time. Configs are composed by
+Hydra (`evals.configs`): install hydra-core where the GPU image lacks it.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 
 import pandas as pd
 import torch
 
-from evals.benchmarking import random_prompts
-from evals.configs import method_config, model_spec
-from longflow.config import EngineConfig, GenerationConfig
+from evals.bench.common import bench_engine, method_policy, random_prompts
+from evals.configs import model_spec
+from longflow.config import GenerationConfig
 from longflow.engine import DecodeState, Engine, synchronize
-from longflow.methods import build_policy
 from longflow.models import load_model, resolve_device
 
 PARTS = ("allocate", "prefill", "adopt", "admit")
@@ -84,9 +82,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
     device = resolve_device(args.device)
     model, _ = load_model(model_spec(args.model, weights="random"), device)
-    policy = build_policy(method_config(args.method), None if args.method == "vanilla" else args.budget)
     batch = max(counts + [args.profile])
-    engine = Engine(model, lambda: copy.deepcopy(policy), eos_ids=[], pad_id=0, config=EngineConfig(batch_size=batch))
+    engine = bench_engine(model, method_policy(args.method, args.budget), batch_size=batch)
     generation = GenerationConfig(max_new_tokens=args.new, ignore_eos=True)
     prompts = random_prompts(batch, args.prompt, engine.vocab)
     length = engine.batch_inputs(prompts[:1])[0].shape[1]

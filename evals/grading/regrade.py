@@ -1,4 +1,4 @@
-"""Re-grade stored outputs without a GPU: `python -m evals.grade <run dir> [<run dir> ...]`.
+"""Re-grade stored outputs without a GPU: `python -m evals.grading <run dir> [<run dir> ...]`.
 
 Reads each run's generations.jsonl, grades every output again with the current grader (useful
 after a grading fix), rewrites the file atomically and recomputes metrics.json over the items of the
@@ -15,6 +15,9 @@ import sys
 from contextlib import closing
 from pathlib import Path
 
+from evals.grading.pool import GraderError, grade_many
+from evals.grading.verdict import GradeRequest
+from evals.metrics import summarize
 from evals.store import (
     BATCHES,
     FIDELITY,
@@ -42,9 +45,6 @@ def regrade(run: Path, workers: int = 2, timeout: int = 10) -> dict:
 
 
 def _regrade(run: Path, workers: int, timeout: int) -> dict:
-    from evals.grading import GradeRequest, grade_many
-    from evals.metrics import summarize
-
     identity = read_json_file(run / IDENTITY)
     if not isinstance(identity, dict) or not {"kind", "thinks"} <= set(identity):
         raise UserError(f"{run / IDENTITY} is not a run identity (no kind or thinks)")
@@ -69,14 +69,12 @@ def _regrade(run: Path, workers: int, timeout: int) -> dict:
     return metrics
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=10, help="seconds per item, a hard limit")
-    args = parser.parse_args()
-    from evals.grading import GraderError
-
+    args = parser.parse_args(argv)
     try:
         if args.workers <= 0 or args.timeout <= 0:
             raise UserError(f"--workers and --timeout must be positive, got {args.workers} and {args.timeout}")
@@ -90,7 +88,3 @@ def main() -> None:
     except KeyboardInterrupt:
         print("interrupted; the run directory being re-graded was left as it was", file=sys.stderr)
         sys.exit(130)
-
-
-if __name__ == "__main__":
-    main()

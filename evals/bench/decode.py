@@ -1,13 +1,14 @@
 """End-to-end decode benchmark: every method's generation speed and memory on one model, next to HF.
 
-    python -m evals.bench_decode --model qwen3_8b --batch 64 --prompt 512 --new 2048 --budget 1024
-    python -m evals.bench_decode --model tiny_qwen3 --batch 4 --prompt 64 --new 32 --budget 48 --hf-generate
+    python -m evals.bench.decode --model qwen3_8b --batch 64 --prompt 512 --new 2048 --budget 1024
+    python -m evals.bench.decode --model tiny_qwen3 --batch 4 --prompt 64 --new 32 --budget 48 --hf-generate
 
 The model is built from `conf/model/<name>.yaml` with random weights (no download) and fed random
 prompt tokens; EOS is ignored so every row generates exactly `--new` tokens. For each method it
 prints tokens/s, ms per decode step (p50, p99), time to first token and peak device memory;
 `--hf-generate` adds transformers' `model.generate` (SDPA attention, DynamicCache) on the same
-model, batch and lengths. Writes a CSV beside the printed table. No Hydra: the GPU image lacks it.
+model, batch and lengths. Writes a CSV beside the printed table. Configs are composed by Hydra
+(`evals.configs`): install hydra-core where the GPU image lacks it.
 `--compile off,on` times every method with the decode forward eager, then compiled
 (`longflow.compile`, the engine's `compile` option); `tuned` and `untuned` compile with and without
 Inductor's kernel tuning (`engine.compile_tuning`; `on` tunes at batch 1 only, as the engine does).
@@ -23,28 +24,32 @@ others.
 from __future__ import annotations
 
 import argparse
-import copy
 import time
 
 import numpy as np
 import pandas as pd
 import torch
 
-from evals.benchmarking import COMPILE_SETTINGS, compile_settings, random_prompts, write_table
-from evals.configs import group_options, method_config, model_spec
+from evals.bench.common import (
+    COMPILE_SETTINGS,
+    bench_engine,
+    compile_settings,
+    method_policy,
+    random_prompts,
+    write_table,
+)
+from evals.configs import group_options, model_spec
 from longflow.cache import ATTENTION_NAME
 from longflow.config import EngineConfig, GenerationConfig
-from longflow.engine import Engine, synchronize
-from longflow.methods import build_policy
+from longflow.engine import synchronize
 from longflow.models import load_model, resolve_device
 
 
-def bench_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda_graph: bool,
-                 compile_step: str) -> dict:
-    policy = build_policy(method_config(method), None if method == "vanilla" else budget)
-    engine = Engine(model, lambda: copy.deepcopy(policy), eos_ids=[], pad_id=0,
-                    config=EngineConfig(batch_size=len(prompts), cuda_graph=cuda_graph,
-                                        **COMPILE_SETTINGS[compile_step]))
+def time_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda_graph: bool,
+                compile_step: str) -> dict:
+    policy = method_policy(method, budget)
+    engine = bench_engine(model, policy, batch_size=len(prompts), cuda_graph=cuda_graph,
+                          **COMPILE_SETTINGS[compile_step])
     compiled = engine.decode_forward
     compile_before = compiled.compile_seconds if compiled else 0.0
     generation = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
@@ -54,7 +59,7 @@ def bench_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda
     steps = np.array(result.step_seconds)
     total = result.prefill_seconds + steps.sum()
     return {
-        "method": method, "budget": None if method == "vanilla" else budget,
+        "method": method, "budget": policy.budget,
         "tokens_per_s": len(prompts) * new_tokens / total,
         "step_ms_p50": float(np.percentile(steps, 50) * 1e3), "step_ms_p99": float(np.percentile(steps, 99) * 1e3),
         "ttft_s": result.prefill_seconds,
@@ -65,7 +70,7 @@ def bench_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda
     }
 
 
-def bench_hf_generate(model, prompts, new_tokens: int) -> dict:
+def time_hf_generate(model, prompts, new_tokens: int) -> dict:
     """transformers' own loop: SDPA attention, DynamicCache, greedy, no EOS."""
     input_ids = torch.tensor(prompts, device=model.device)
     model.set_attn_implementation("sdpa")
@@ -142,16 +147,16 @@ def main() -> None:
     except ValueError as error:
         parser.error(str(error))
     for _ in range(args.settle):
-        report(bench_engine(model, methods[0], args.budget, prompts, args.new, not args.no_cuda_graph, settings[0])
+        report(time_engine(model, methods[0], args.budget, prompts, args.new, not args.no_cuda_graph, settings[0])
                | {"method": f"{methods[0]} (settling run, not in the table)"})
     rows = []
     for compile_step in settings:
         for method in methods:
-            rows.append(bench_engine(model, method, args.budget, prompts, args.new, not args.no_cuda_graph,
+            rows.append(time_engine(model, method, args.budget, prompts, args.new, not args.no_cuda_graph,
                                      compile_step))
             report(rows[-1])
     if args.hf_generate:
-        rows.append(bench_hf_generate(model, prompts, args.hf_new or args.new))
+        rows.append(time_hf_generate(model, prompts, args.hf_new or args.new))
         report(rows[-1])
 
     table = pd.DataFrame(rows)

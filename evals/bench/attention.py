@@ -1,9 +1,9 @@
 """Latency of one decode attention call per method: the LongFlow paper's Figure 1, and the grid.
 
-    python -m evals.bench_attention [--batches 1 16 64 128] [--slots 1024 3200 8192] [--out results/]
-    python -m evals.bench_attention --quick      # batches 1 and 128 at 3200 slots
-    python -m evals.bench_attention --sweep      # time LaunchConfig variants of the fused kernel
-    python -m evals.bench_attention --replot results/fig1.csv   # redraw fig1.png from a CSV (CPU)
+    python -m evals.bench.attention [--batches 1 16 64 128] [--slots 1024 3200 8192] [--out results/]
+    python -m evals.bench.attention --quick      # batches 1 and 128 at 3200 slots
+    python -m evals.bench.attention --sweep      # time LaunchConfig variants of the fused kernel
+    python -m evals.bench.attention --replot results/fig1.csv   # redraw fig1.png from a CSV (CPU)
 
 Methods, on the same random cache at Qwen3-8B shapes (32 query heads, 8 KV heads, head dim 128, bf16):
   - `sdpa`: `F.scaled_dot_product_attention` with `enable_gqa` and no mask, under the flash backend
@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
         print_table(rows)
         return
     if not torch.cuda.is_available():
-        raise SystemExit("bench_attention needs a CUDA GPU (the timings are of GPU kernels)")
+        raise SystemExit("evals.bench.attention needs a CUDA GPU (the timings are of GPU kernels)")
     device = torch.device("cuda")
     if args.quick:
         args.batches, args.slots = [1, 128], [3200]

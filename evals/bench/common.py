@@ -1,12 +1,31 @@
-"""What the benchmark scripts share: random prompts for random-weight models, the printed table with
-its CSV, and the `--compile` settings."""
+"""What the benchmark scripts share: a method's policy and the engine that decodes with it, random
+prompts for random-weight models, the printed table with its CSV, and the `--compile` settings."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pandas as pd
 import torch
+
+from evals.configs import method_config
+from longflow.config import EngineConfig
+from longflow.engine import Engine
+from longflow.methods import build_policy
+from longflow.policy import KVPolicy
+
+
+def method_policy(method: str, budget: int | None) -> KVPolicy:
+    """The policy of `conf/method/<method>.yaml` at `budget` KV slots; a method that takes no budget
+    (the full cache) drops it, so `policy.budget` is the budget a row records."""
+    return build_policy(method_config(method), budget)
+
+
+def bench_engine(model, policy: KVPolicy, **config) -> Engine:
+    """An engine whose every cache gets a copy of `policy` (`engine.policy_factory`), decoding to
+    length (no EOS; pad id 0: random prompts have no padding token); `config`: `EngineConfig` fields."""
+    return Engine(model, lambda: copy.deepcopy(policy), eos_ids=[], pad_id=0, config=EngineConfig(**config))
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

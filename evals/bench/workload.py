@@ -1,8 +1,8 @@
 """Evaluation-throughput benchmark: a queue of items with realistic output lengths, static batches
 against continuous batching.
 
-    python -m evals.bench_workload --model qwen3_8b --methods longflow,vanilla --budget 1024 --batch 64 --items 512
-    python -m evals.bench_workload --model tiny_qwen3 --items 8 --batch 2 --median 8 --cap 16 --prompt 16
+    python -m evals.bench.workload --model qwen3_8b --methods longflow,vanilla --budget 1024 --batch 64 --items 512
+    python -m evals.bench.workload --model tiny_qwen3 --items 8 --batch 2 --median 8 --cap 16 --prompt 16
 
 Reasoning outputs run from a few hundred tokens to the generation cap. Each item's output length
 is drawn from a log-normal distribution (median `--median`, spread set so that a share `--at-cap`
@@ -22,14 +22,13 @@ lengths, not the padding steps) of each, and the ratio; and where the time went:
 the rest (graph captures, host checks). `--predict` prints the predicted step counts alone, and the
 number of admissions (prefills of refilled rows) continuous batching makes, with no model; with
 `--refill-rows 1,2,4,8` for each value, the trade-off of refilling sooner (fewer idle row-steps)
-against prefilling fewer rows at a time (more admissions, each with a fixed cost). No Hydra: the
-GPU image lacks it.
+against prefilling fewer rows at a time (more admissions, each with a fixed cost). Configs are
+composed by Hydra (`evals.configs`): install hydra-core where the GPU image lacks it.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import time
 from collections import deque
@@ -38,11 +37,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evals.benchmarking import random_prompts, write_table
-from evals.configs import method_config, model_spec
+from evals.bench.common import bench_engine, method_policy, random_prompts, write_table
+from evals.configs import model_spec
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine, synchronize
-from longflow.methods import build_policy
 from longflow.models import load_model, resolve_device
 
 
@@ -145,9 +143,9 @@ MODES = ("static", "continuous")
 
 def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, cap: int,
                  refill_rows: int = EngineConfig.refill_rows, modes: tuple[str, ...] = MODES) -> list[dict]:
-    policy = build_policy(method_config(method), None if method == "vanilla" else budget)
-    config = EngineConfig(batch_size=batch, refill_rows=refill_rows)
-    engine = Engine(model, lambda: copy.deepcopy(policy), eos_ids=[], pad_id=0, config=config)
+    policy = method_policy(method, budget)
+    engine = bench_engine(model, policy, batch_size=batch, refill_rows=refill_rows)
+    config = engine.config
     generation = GenerationConfig(max_new_tokens=cap, ignore_eos=True)
     engine.warm_up()
     useful = sum(lengths)
@@ -160,7 +158,7 @@ def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, 
         (generated, steps, prefill, decode), seconds = timed(run, engine.device)
         if generated != lengths:
             raise RuntimeError(f"{method} {mode}: rows did not stop at their drawn lengths")
-        rows.append({"method": method, "budget": None if method == "vanilla" else budget, "mode": mode,
+        rows.append({"method": method, "budget": policy.budget, "mode": mode,
                      "seconds": seconds, "items_per_hour": len(prompts) / seconds * 3600,
                      "useful_tokens_per_s": useful / seconds, "decode_steps": steps,
                      "predicted_steps": steps_expected, "ms_per_step": decode / max(steps, 1) * 1e3,
