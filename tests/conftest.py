@@ -12,7 +12,7 @@ import torch
 from evals.configs import group_options, method_config, model_spec
 from longflow.methods import build_policy, method_factory
 from longflow.models import ModelSpec, load_model
-from longflow.policy import CacheSpec
+from longflow.policy import CacheSpec, KVPolicy
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,9 +99,10 @@ def capped_policy(name: str, budget: int, **overrides):
 
 
 def method_defaults(cls) -> dict:
-    """A method's own config fields and their defaults (the base class's `budget` and `budget_scope`
-    come from the run, not from the method's yaml)."""
-    return {f.name: f.default for f in dataclasses.fields(cls) if f.name not in ("budget", "budget_scope")}
+    """A method's own config fields and their defaults (the base class's `budget`, `budget_scope` and
+    `prefill` come from the run or the class, not from the method's yaml)."""
+    base = {f.name for f in dataclasses.fields(KVPolicy)}
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.name not in base}
 
 
 def capped(cls):
@@ -142,7 +143,7 @@ def drive_layer(policy, q, k, v, pad, steps, scale, rotary=None):
     batch, q_heads, length, head_dim = q.shape
     policy.allocate(CacheSpec(batch=batch, layers=1, q_heads=q_heads, kv_heads=k.shape[1], head_dim=head_dim,
                               prompt_len=length, max_new_tokens=len(steps) + 1, dtype=torch.float32,
-                              device=torch.device("cpu"), rotary=rotary))
+                              device=torch.device("cpu"), rotary=rotary, scale=scale))
     policy.begin_prefill(pad, (pad.long().cumsum(dim=-1) - 1).clamp(min=0))
     policy.store(0, k, v)
     policy.attend(0, q, k, v, scale)
