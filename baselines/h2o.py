@@ -46,11 +46,9 @@ from dataclasses import dataclass
 import torch
 
 from longflow.errors import UserError
-from longflow.policy import KVPolicy, Observation, one_of
+from longflow.policy import VARIANTS, KVPolicy, Observation, one_of
 from longflow.selection import sink_mask
 from longflow.slots import SlotState
-
-VARIANTS = ("paper", "lf_repo")
 
 # Elements of one chunk of prompt attention probabilities: bounds the prefill scoring memory
 # (float32 logits and probabilities of `[B, Hkv, G, chunk, L]`, 256 MiB each) for long prompts.

@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation, one_of, shrink_interval
+from longflow.policy import VARIANTS, CacheSpec, KVPolicy, Observation, one_of, shrink_interval
 from longflow.selection import choose_keep, chosen_mask
 
-VARIANTS = ("paper", "lf_repo")
 BUDGET_MODES = ("cap", "target")
 SCORE_BYTES = 2 << 30  # S x S temporaries of one `rkv_scores` call
 PAIR_BYTES = 6  # of them per key pair: the float32 similarity, its comparison and that flipped

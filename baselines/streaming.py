@@ -44,11 +44,9 @@ from dataclasses import dataclass
 import torch
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation, one_of
+from longflow.policy import VARIANTS, CacheSpec, KVPolicy, Observation, one_of
 from longflow.rotary import rotate_half
 from longflow.selection import sink_mask
-
-VARIANTS = ("paper", "lf_repo")
 
 
 def sink_rerotation(rotary, window: int, n_sink: int, dtype: torch.dtype,

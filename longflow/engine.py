@@ -174,7 +174,7 @@ class Engine:
     def prompt_forward(self, caches, state, input_ids, pad) -> list[torch.Tensor]:
         """The prompt `[B, L]` through each cache in `caches`, which then expect the first decode
         step at `state.positions`; returns each cache's last logits `[B, V]`."""
-        positions = (pad.long().cumsum(dim=-1) - 1).clamp(min=0)
+        positions = prompt_positions(pad)
         logits = []
         for cache in caches:
             cache.policy.begin_prefill(pad, positions)
@@ -407,6 +407,11 @@ class Engine:
             tokens.append(ids)
             reasons.append("eos" if ended else "length")
         return tokens, reasons
+
+
+def prompt_positions(pad: torch.Tensor) -> torch.Tensor:
+    """The position of every token of a left-padded prompt, `[B, L]` bool -> `[B, L]` int64 (0 on padding)."""
+    return (pad.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def check_inputs(prompts: list[list[int]], seeds: list[int], limits: list[int] | None,

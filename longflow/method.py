@@ -47,13 +47,12 @@ import torch
 
 from longflow.errors import UserError
 from longflow.kernels import longflow_attention, reference
-from longflow.policy import KVPolicy, Observation, one_of
+from longflow.policy import VARIANTS, KVPolicy, Observation, one_of
 from longflow.selection import sink_mask
 from longflow.snapkv import snapkv_scores
 
 GRANULARITIES = ("layer", "kv_head")
 KERNELS = ("auto", "triton", "reference")
-VARIANTS = ("paper", "lf_repo")
 
 
 @dataclass(eq=False)

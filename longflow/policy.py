@@ -67,6 +67,9 @@ SCHEDULES = ("step", "interval")
 IDLE = float("-inf")
 BUDGET_SCOPES = ("per_layer", "total")
 OBSERVABLE = frozenset({"logits", "prompt_logits", "hidden_states"})
+# The variants of the methods the LongFlow authors ran (a method's `variant` field): `paper`, the method as
+# its paper and official code define it; `lf_repo`, as the authors' baseline code runs it (docs/methods.md).
+VARIANTS = ("paper", "lf_repo")
 # How a prompt longer than the budget is cut, for a method without a prompt rule of its own (`KVPolicy.prefill`).
 PREFILL_RULES = ("snapkv", "by_score")
 

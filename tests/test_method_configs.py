@@ -8,7 +8,7 @@ import builtins
 import dataclasses
 
 import pytest
-from conftest import method_names
+from helpers import method_names
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
