@@ -62,8 +62,8 @@ import torch
 import torch.nn.functional as F
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation, shrink_interval
-from longflow.selection import choose_keep
+from longflow.policy import CacheSpec, KVPolicy, Observation, keep_after_cut
+from longflow.selection import choose_keep, chosen_mask
 from longflow.slots import SlotState
 
 SEGMENT_OVER = ("row", "batch")
@@ -231,7 +231,7 @@ class AMSPolicy(KVPolicy):
             if not holds:
                 raise UserError(f"{self.name}: needs {rule}")
         if self.budget is not None:
-            self.keep_after = self.budget - shrink_interval(self.name, self.budget, self.compress_every, least_kept=2)
+            self.keep_after = keep_after_cut(self.name, self.budget, self.compress_every, least_kept=2)
 
     def slot_state(self) -> dict[str, SlotState]:
         return {"credit": SlotState()} if self.use_credit else {}
@@ -269,5 +269,4 @@ class AMSPolicy(KVPolicy):
         need = count - int(must[0, 0].sum())
         enough = ((chosen & ~must).sum(dim=-1, keepdim=True) >= need)  # else: the best of every other slot
         allowed = torch.where(enough, chosen | must, torch.ones_like(must))
-        kept = choose_keep(score, allowed, count, protect=must)
-        return torch.zeros_like(must).scatter_(-1, kept, True)
+        return chosen_mask(choose_keep(score, allowed, count, protect=must), obs.valid)

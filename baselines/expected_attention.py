@@ -44,8 +44,9 @@ import torch
 
 from longflow.calibration import check_shape, load_calibration
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation, shrink_interval
+from longflow.policy import CacheSpec, KVPolicy, Observation, keep_after_cut
 from longflow.rotary import mean_rotation, unrotate
+from longflow.selection import sink_mask
 
 SCORE_BYTES = 1 << 30  # the k^T Sigma k temporaries scored in one call
 STATS = ("query_mean", "query_cov")
@@ -120,8 +121,7 @@ class ExpectedAttentionPolicy(KVPolicy):
             load_calibration(self.query_stats, self.name, STATS)  # a bad file fails before any model loads
         if self.budget is not None:
             # least_kept: a compression must keep more than the sinks
-            self.keep_after = self.budget - shrink_interval(self.name, self.budget, self.compress_every,
-                                                            least_kept=self.n_sink + 1)
+            self.keep_after = keep_after_cut(self.name, self.budget, self.compress_every, least_kept=self.n_sink + 1)
 
     def query_window(self) -> int:
         return 0 if self.query_stats is not None else self.n_queries
@@ -152,7 +152,7 @@ class ExpectedAttentionPolicy(KVPolicy):
         return self._scores(obs.keys, obs.values, obs.valid, obs.positions, obs.newest, mean, cov, obs.spec.rotary)
 
     def protected(self, obs: Observation) -> torch.Tensor:
-        return obs.positions < self.n_sink
+        return sink_mask(obs.positions, self.n_sink)
 
     def prefill_scores(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
@@ -168,7 +168,7 @@ class ExpectedAttentionPolicy(KVPolicy):
         held = self.pad[:, None, :].expand(-1, k.shape[1], -1)
         key_positions = positions[:, None, :].expand_as(held)
         scores = self._scores(k, v, held, key_positions, self.pad.sum(dim=-1) - 1, mean, cov, self.spec.rotary)
-        return scores.masked_fill(held & (key_positions < self.n_sink), float("inf"))
+        return scores.masked_fill(held & sink_mask(key_positions, self.n_sink), float("inf"))
 
     def _scores(self, keys, values, held, positions, newest, mean, cov, rotary) -> torch.Tensor:
         """Scores `[n, Hkv, S]` over row chunks of at most SCORE_BYTES of temporaries; the sinks held get

@@ -46,10 +46,9 @@ from dataclasses import dataclass
 import torch
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation
+from longflow.policy import VARIANTS, KVPolicy, Observation, one_of
+from longflow.selection import sink_mask
 from longflow.slots import SlotState
-
-VARIANTS = ("paper", "lf_repo")
 
 # Elements of one chunk of prompt attention probabilities: bounds the prefill scoring memory
 # (float32 logits and probabilities of `[B, Hkv, G, chunk, L]`, 256 MiB each) for long prompts.
@@ -104,8 +103,7 @@ class H2OPolicy(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.variant not in VARIANTS:
-            raise UserError(f"{self.name}: variant must be one of {VARIANTS}, got {self.variant!r}")
+        one_of(self.name, "variant", self.variant, VARIANTS)
         if not 0 <= self.heavy_ratio < 1:
             raise UserError(f"{self.name}: heavy_ratio must be in [0, 1), got {self.heavy_ratio}")
         if self.compress_every != 1:
@@ -142,8 +140,9 @@ class H2OPolicy(KVPolicy):
         return None
 
     def slot_state(self) -> dict[str, SlotState]:
-        # Accumulated attention per slot (paper), moved with the slot: a written slot starts at 0.
-        return {"received": SlotState()} if self.accumulate else {}
+        # Accumulated attention per slot (paper), moved with the slot: a written slot starts at 0, a
+        # kept prompt token at the attention it received from the prompt's queries.
+        return {"received": SlotState(on_prompt=prompt_received)} if self.accumulate else {}
 
     def score(self, obs: Observation) -> torch.Tensor:
         """The step's attention `[B, Hkv, S]` (summed over each group's query heads), accumulated into
@@ -163,37 +162,21 @@ class H2OPolicy(KVPolicy):
     def protected_positions(self, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
         """positions `[B, Hkv, N]`, newest `[B]` -> `[B, Hkv, N]` bool."""
         recent = positions >= (newest - (self.recent - 2))[:, None, None]
-        return recent | (positions < self.sinks) if self.sinks else recent
+        return recent | sink_mask(positions, self.sinks) if self.sinks else recent
 
     # ---- prefill -------------------------------------------------------------------------------
-
-    def allocate(self, spec: CacheSpec) -> None:
-        super().allocate(spec)
-        self.prompt_sums: torch.Tensor | None = None
-
-    def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        # The prompt's column sums are needed by `prefill_scores` (prompt longer than the budget)
-        # and by `on_prompt_stored` (paper: the accumulation starts with the prefill queries); both
-        # run inside the base class's `attend`, which is the last place that sees q and k.
-        if self.prefilling and (self.accumulate or self.prefill_keep(self.spec) < k.shape[2]):
-            self.prompt_sums = prompt_attention_sums(q, k, self.pad, scale)
-        return super().attend(layer, q, k, v, scale)
 
     def prefill_scores(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        scores = self.weigh(self.prompt_sums, self.value_norms(v))  # [B, Hkv, L]
+        scores = self.weigh(prompt_attention_sums(q, k, self.pad, scale), self.value_norms(v))  # [B, Hkv, L]
         newest = self.pad.sum(dim=-1) - 1  # position of each row's last prompt token
         protected = self.protected_positions(self.prompt_positions[:, None, :], newest)
         scores = scores.masked_fill(protected, float("inf"))
         return scores.masked_fill(~self.pad[:, None, :], float("-inf"))
 
-    def on_prompt_stored(self, layer: int, kept: torch.Tensor) -> None:
-        if self.accumulate:
-            held = kept.shape[-1]
-            slots = self.layers[layer]
-            received = self.prompt_sums.gather(2, kept) * slots.valid[..., :held]
-            slots.state["received"][..., :held].copy_(received)
-        self.prompt_sums = None  # per layer: the next layer's `attend` computes its own
+
+def prompt_received(prompt) -> torch.Tensor:
+    """The attention each prompt token received from the prompt's queries `[B, Hkv, L]` (a
+    `longflow.policy.PromptObservation`): where the paper's accumulation starts."""
+    return prompt_attention_sums(prompt.q, prompt.keys, prompt.policy.pad, prompt.scale)

@@ -11,8 +11,10 @@ Per KV head and row, over the keys held (after RoPE):
 
 An interval method: the cache fills its `budget` slots, then every `compress_every` steps (128,
 `BlockPress`'s block) keeps the budget - compress_every best by that score, per KV head, in
-position order. It reads no attention, so decode attention stays plain SDPA. Fields:
-`compress_every` (a budget at or below it shrinks it to a quarter of the budget, with a warning).
+position order. It reads no attention, so decode attention computes no probabilities (flash
+decoding on CUDA, `KVPolicy.attention_only`). Fields: `compress_every` (a budget at or below it
+shrinks it to a quarter of the budget, with a warning); `prefill`: `by_score` (a prompt longer than
+the budget is cut by the same score, as kvpress's `KeyDiffPress` at prefill).
 
 Deviations: the score is float32 (kvpress: the model dtype); a prompt longer than the budget is
 scored at once (kvpress's `KeyDiffPress` at prefill) and keeps budget - 1 tokens, not block by
@@ -23,13 +25,13 @@ Notation: n rows, Hkv KV heads, S slots, D head dim.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from longflow.errors import UserError
-from longflow.policy import KVPolicy, Observation, shrink_interval
+from longflow.policy import KVPolicy, Observation, keep_after_cut
 
 
 def keydiff_scores(keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -45,6 +47,7 @@ class KeyDiffPolicy(KVPolicy):
     """KeyDiff (see the module docstring). Fields: `compress_every`."""
 
     compress_every: int = 128
+    prefill: str = field(default="by_score", kw_only=True)  # kvpress's KeyDiffPress scores the prompt alike
 
     name = "keydiff"
     schedule = "interval"
@@ -55,12 +58,7 @@ class KeyDiffPolicy(KVPolicy):
         if self.compress_every < 1:
             raise UserError(f"{self.name}: compress_every must be >= 1, got {self.compress_every}")
         if self.budget is not None:
-            self.keep_after = self.budget - shrink_interval(self.name, self.budget, self.compress_every, least_kept=1)
+            self.keep_after = keep_after_cut(self.name, self.budget, self.compress_every, least_kept=1)
 
     def score(self, obs: Observation) -> torch.Tensor:
         return keydiff_scores(obs.keys, obs.valid)
-
-    def prefill_scores(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        return keydiff_scores(k, self.pad[:, None, :].expand(-1, k.shape[1], -1))

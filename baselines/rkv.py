@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation, shrink_interval
-from longflow.selection import choose_keep
+from longflow.policy import VARIANTS, CacheSpec, KVPolicy, Observation, one_of, shrink_interval
+from longflow.selection import choose_keep, chosen_mask
 
-VARIANTS = ("paper", "lf_repo")
 BUDGET_MODES = ("cap", "target")
 SCORE_BYTES = 2 << 30  # S x S temporaries of one `rkv_scores` call
 PAIR_BYTES = 6  # of them per key pair: the float32 similarity, its comparison and that flipped
@@ -242,10 +242,8 @@ class RKVPolicy(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.variant not in VARIANTS:
-            raise UserError(f"rkv: variant must be one of {VARIANTS}, got {self.variant!r}")
-        if self.budget_mode not in BUDGET_MODES:
-            raise UserError(f"rkv: budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}")
+        one_of(self.name, "variant", self.variant, VARIANTS)
+        one_of(self.name, "budget_mode", self.budget_mode, BUDGET_MODES)
         if not 0.0 <= self.lam <= 1.0:
             raise UserError(f"rkv: lam must be in [0, 1], got {self.lam}")
         if self.compress_every < 1:
@@ -334,16 +332,16 @@ class RKVPolicy(KVPolicy):
     def held_after_prompt(self, length: int) -> int:
         return self.keep_after if self.prompt_cut(length) else length
 
+    def prefill_keep(self, spec: CacheSpec) -> int:
+        """paper: the most prompt tokens a row keeps (an uncut row all of its own, at most capacity - 1
+        under the cap, the target under `target`); the cut rows keep `keep_after` of them."""
+        return self.keep_after if self.budget_mode == "target" else super().prefill_keep(spec)
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def allocate(self, spec: CacheSpec) -> None:
         super().allocate(spec)
         self.cutting = []
-
-    def begin_prefill(self, pad: torch.Tensor, positions: torch.Tensor) -> None:
-        super().begin_prefill(pad, positions)
-        self.cut_rows = torch.tensor([self.prompt_cut(n) for n in self.prompt_lengths], device=pad.device)
-        self.prompt_scores: torch.Tensor | None = None
 
     def before_step(self, step: int) -> bool:
         """lf_repo: the rows whose token of this step would exceed budget - lf_margin are cut in it."""
@@ -372,34 +370,27 @@ class RKVPolicy(KVPolicy):
     def store_prompt(self, layer, q, k, v, scale) -> None:
         if self.variant == "lf_repo":
             return self._store_prompt_lf_repo(layer, q, k, v)
-        if any(self.prompt_cut(n) for n in self.prompt_lengths):
-            self.prompt_scores = self._prompt_scores(q, k, scale)
-        super().store_prompt(layer, q, k, v, scale)
+        return super().store_prompt(layer, q, k, v, scale)
 
-    def _prompt_scores(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    def prefill_scores(self, layer, q, k, v, scale) -> torch.Tensor:
         """`[B, Hkv, L]`: R-KV scores of the prompt with its last W queries as the window. In the
-        rows that are cut, only the top `keep_after` tokens score above -inf (never kept)."""
+        rows that are cut, only the top `keep_after` tokens score above -inf: the base class keeps
+        the top `prefill_keep`, which holds every token of the uncut rows, and `on_prompt_stored`
+        frees the rest of a cut row."""
         length = k.shape[2]
         window = min(self.queries_held, length)
         held = self.pad[:, None, :].expand(-1, k.shape[1], -1)
         scores = self._chunked_scores(q[:, :, length - window:], self.pad[:, length - window:], k, held, scale)
-        top = choose_keep(scores, held, min(self.keep_after, length))
-        best = torch.zeros_like(held).scatter_(-1, top, True)
-        return scores.masked_fill(self.cut_rows[:, None, None] & ~best, float("-inf"))
+        best = chosen_mask(choose_keep(scores, held, min(self.keep_after, length)), held)
+        cut = torch.tensor([self.prompt_cut(n) for n in self.prompt_lengths], device=k.device)
+        return scores.masked_fill(cut[:, None, None] & ~best, float("-inf"))
 
-    def prefill_scores(self, layer, q, k, v, scale):
-        # The padded prompt exceeds the slots: the base class keeps the top `capacity - 1`, which
-        # holds every token of the uncut rows and the top `keep_after` of the cut ones (the rest of
-        # a cut row scores -inf and is freed in `on_prompt_stored`).
-        return self.prompt_scores
-
-    def on_prompt_stored(self, layer: int, kept: torch.Tensor) -> None:
+    def on_prompt_stored(self, layer: int, kept: torch.Tensor, scores: torch.Tensor | None) -> None:
         """Frees the tokens that a cut row does not keep; the base class then compacts the held
         slots into the low ones (left padding leaves free slots below the prompt)."""
-        if self.prompt_scores is not None:
-            survives = self.prompt_scores.gather(-1, kept) > float("-inf")  # [B, Hkv, n]
+        if scores is not None:
+            survives = scores.gather(-1, kept) > float("-inf")  # [B, Hkv, n]
             self.layers[layer].valid[..., :kept.shape[-1]] &= survives
-            self.prompt_scores = None
 
     def _chunked_scores(self, queries, query_valid, keys, held, scale) -> torch.Tensor:
         """`rkv_scores` over the leading dimension in chunks of at most `SCORE_BYTES` of S x S temporaries."""
@@ -423,31 +414,24 @@ class RKVPolicy(KVPolicy):
             self._cut_in_step(layer)
         return super().decode(layer, q, scale)
 
-    @torch.no_grad()
-    def compress(self, rows: list[int]) -> None:
-        """Cut the given rows (all slots held) to `keep_after` tokens, in every layer (host hook).
-
-        Layers are scored together, as many as `SCORE_BYTES` of S x S temporaries allow: a row is cut
-        on its own whenever the rows are out of step, and one call per layer would be mostly
-        kernel launches.
-        """
-        self.record_peak()  # the rows are full: their peak, before the cut frees slots
+    def keep_masks(self, rows: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The slots a cut of `rows` keeps in each layer (`[n, Hkv, S]` bool): `keep_after` by the
+        score of the query ring. Layers are scored together, as many as `SCORE_BYTES` of S x S
+        temporaries allow: a row is cut on its own whenever the rows are out of step, and one call
+        per layer would be mostly kernel launches."""
         spec, count = self.spec, len(rows)
-        index = torch.tensor(rows, dtype=torch.long, device=spec.device)
         per_item = spec.kv_heads * self.slots_held ** 2 * PAIR_BYTES  # S x S temporaries per (layer, row)
         group = max(1, SCORE_BYTES // (per_item * count))
         for start in range(0, spec.layers, group):
             layers = range(start, min(spec.layers, start + group))
-            keys = torch.cat([self.layers[i].keys.index_select(0, index) for i in layers])  # [n*g, Hkv, S, D]
-            held = torch.cat([self.layers[i].valid.index_select(0, index) for i in layers])
+            keys = torch.cat([self.layers[i].keys.index_select(0, rows) for i in layers])  # [n*g, Hkv, S, D]
+            held = torch.cat([self.layers[i].valid.index_select(0, rows) for i in layers])
             # The ring in its own order: the importance averages over the window's queries.
-            queries = torch.cat([self.history.ring(i, index) for i in layers])
+            queries = torch.cat([self.history.ring(i, rows) for i in layers])
             every = torch.ones(len(keys), self.queries_held, dtype=torch.bool, device=spec.device)
             scores = self._chunked_scores(queries, every, keys, held, self.scale)
-            chosen = choose_keep(scores, held, self.keep_after)  # [n*g, Hkv, keep]
-            keep = torch.zeros_like(held).scatter_(-1, chosen, True) & held
-            for j, layer in enumerate(layers):
-                self.slots.compact(layer, index, keep[j * count:(j + 1) * count])
+            keep = chosen_mask(choose_keep(scores, held, self.keep_after), held)  # [n*g, Hkv, S]
+            yield from keep.split(count)
 
     # ---- lf_repo -----------------------------------------------------------------------------
 

@@ -44,10 +44,9 @@ from dataclasses import dataclass
 import torch
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation
+from longflow.policy import VARIANTS, CacheSpec, KVPolicy, Observation, one_of
 from longflow.rotary import rotate_half
-
-VARIANTS = ("paper", "lf_repo")
+from longflow.selection import sink_mask
 
 
 def sink_rerotation(rotary, window: int, n_sink: int, dtype: torch.dtype,
@@ -85,8 +84,7 @@ class StreamingPolicy(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.variant not in VARIANTS:
-            raise UserError(f"{self.name}: variant must be one of {VARIANTS}, got {self.variant!r}")
+        one_of(self.name, "variant", self.variant, VARIANTS)
         field = "n_sink" if self.variant == "paper" else "lf_n_sink"
         sinks = getattr(self, field)
         if sinks < 0:
@@ -135,7 +133,7 @@ class StreamingPolicy(KVPolicy):
     ) -> torch.Tensor:
         """Newer is better, sinks always: the score of a prompt token is its position."""
         positions = self.prompt_positions[:, None, :].float()  # [B, 1, L]
-        scores = positions.masked_fill(positions < self.sinks, float("inf"))
+        scores = positions.masked_fill(sink_mask(self.prompt_positions[:, None, :], self.sinks), float("inf"))
         scores = scores.masked_fill(~self.pad[:, None, :], float("-inf"))
         return scores.expand(-1, k.shape[1], -1)  # [B, Hkv, L]
 
@@ -145,4 +143,4 @@ class StreamingPolicy(KVPolicy):
 
     def protected(self, obs: Observation) -> torch.Tensor:
         """The sinks (free slots, position -1, come out True and stay free)."""
-        return obs.positions < self.sinks
+        return sink_mask(obs.positions, self.sinks)

@@ -7,9 +7,10 @@ goes to slot `L + t`, so the cache holds tokens in position order like HF's `Dyn
 Decode attention reads only the slots filled so far (prompt + tokens written), not the whole
 allocation: on CUDA through the flash-decoding kernel `longflow.kernels.flash_decode`, whose grid
 is static and which reads each row's filled length on the device, so the step stays one CUDA
-graph. `use_kernel`: `auto` (that kernel on CUDA, the eager two-matmul attention of
-`longflow.attention` on the CPU, exact over all slots since free ones are masked), `triton`
-(the kernel everywhere, through Triton's interpreter on the CPU: tests) or `eager`.
+graph. `use_kernel`, a switch for tests and benchmarks (runs keep `auto`): `auto` (that kernel on CUDA,
+the eager two-matmul attention of `longflow.attention` on the CPU, exact over all slots since free
+ones are masked), `triton` (the kernel everywhere, through Triton's interpreter on the CPU: tests)
+or `eager`.
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from longflow.attention import decode_attention
-from longflow.errors import UserError
 from longflow.kernels import flash_decode
-from longflow.policy import ALIGN, CacheSpec, KVPolicy, round_up
+from longflow.policy import ALIGN, CacheSpec, KVPolicy, one_of, round_up
 
 KERNELS = ("auto", "triton", "eager")
 
@@ -41,8 +41,7 @@ class VanillaPolicy(KVPolicy):
     def __post_init__(self):
         self.budget = None  # built directly (tests) with a budget: still the full cache
         super().__post_init__()
-        if self.use_kernel not in KERNELS:
-            raise UserError(f"{self.name}: use_kernel must be one of {KERNELS}, got {self.use_kernel!r}")
+        one_of(self.name, "use_kernel", self.use_kernel, KERNELS)
 
     def capacity(self, spec: CacheSpec) -> int:
         # Rounded up so that the eager decode matmuls' rows stay 16-byte aligned (see `ALIGN`).
@@ -51,7 +50,7 @@ class VanillaPolicy(KVPolicy):
     def prefill_keep(self, spec: CacheSpec) -> int:
         return spec.prompt_len
 
-    def on_prompt_stored(self, layer: int, kept: torch.Tensor) -> None:
+    def on_prompt_stored(self, layer: int, kept: torch.Tensor, scores: torch.Tensor | None) -> None:
         self.next_slot[layer].fill_(kept.shape[-1])
 
     def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:

@@ -73,7 +73,7 @@ class VATPPolicy(H2OPolicy):
     def slot_state(self) -> dict[str, SlotState]:
         # A function of the values alone, not a bound method: the cache that holds it belongs to this
         # policy, and a reference back would keep a whole batch's KV buffers alive until the next
-        # garbage collection (seen on the H200: one cache of 9 GB more at the next batch's peak).
+        # garbage collection, and the next batch's peak memory would hold two caches.
         return {**super().slot_state(), "norms": SlotState(on_write=partial(value_norm, order=self.norm_order))}
 
     def held_value_norms(self, obs: Observation) -> torch.Tensor:

@@ -6,7 +6,7 @@ attention function of `config._attn_implementation`; both hand over to the batch
 
 The attention function needs the cache, which the model passes only to `update`. The engine
 therefore passes it a second time as the forward kwarg `kv_cache`, which transformers forwards to
-every attention call untouched: that kwarg is the only per-step side channel in this project.
+every attention call untouched.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ The policy's part of a layer (the slot write of `PolicyCache.update`, the attent
 the choice of the next slot) is Python over the policy's own buffers, which Dynamo must not trace:
 every buffer would become a graph input mutated in place, and the policy, new for each batch, would
 fail the guards at every batch. The compiled forward therefore gets a stand-in cache
-(`OpaqueCache`) whose `update` stores nothing and whose policy's `attend` is the custom op
-`longflow::policy_decode`. That op runs the active policy's `store` then `attend`, eagerly: the
-order of the eager forward, where nothing reads the cache between the two. It declares no
+(`OpaqueCache`) whose `update` stores nothing and whose policy's `attend` is a custom op of that
+`CompiledDecode` (`longflow::policy_decode_<n>`, one per instance). The op runs the policy of the
+call in progress (`CompiledDecode.active`, set around each call) `store` then `attend`, eagerly:
+the order of the eager forward, where nothing reads the cache between the two. It declares no
 mutation, which is sound because the buffers it writes are read by no other op of the graph and the
 ops of successive layers are ordered by their data. The forward is then one graph with no break and
 its layers unrolled, the layer index a constant of each op call, so nothing recompiles per layer.
@@ -29,10 +30,12 @@ at larger batches the matmuls stay cuBLAS's and tuning measured nothing (docs/en
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import types
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch._dynamo.utils import counters
@@ -43,32 +46,37 @@ from longflow.policy import KVPolicy
 
 logger = logging.getLogger(__name__)
 
-# The policy whose decode step is running: set around each compiled call, read by the op.
-_active: list[KVPolicy] = []
+_instances = itertools.count()  # a fresh op name per `CompiledDecode`
 
 
-@torch.library.custom_op("longflow::policy_decode", mutates_args=())
-def policy_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
-                  scale: float) -> torch.Tensor:
-    """The active policy's decode step for `layer`: query `[B, Hq, 1, D]`, key and value
-    `[B, Hkv, 1, D]` after RoPE -> attention output `[B, 1, Hq, D]`."""
-    policy = _active[-1]
-    policy.store(layer, key, value)
-    return policy.attend(layer, query, key, value, scale).contiguous()
+def policy_decode_op(name: str, running: Callable[[], KVPolicy]):
+    """The custom op `longflow::<name>`: the decode step of `running()`'s policy for one layer,
+    query `[B, Hq, 1, D]`, key and value `[B, Hkv, 1, D]` after RoPE -> attention output `[B, 1, Hq, D]`."""
 
+    @torch.library.custom_op(f"longflow::{name}", mutates_args=())
+    def policy_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                      scale: float) -> torch.Tensor:
+        policy = running()
+        policy.store(layer, key, value)
+        return policy.attend(layer, query, key, value, scale).contiguous()
 
-@policy_decode.register_fake
-def _(query, key, value, layer, scale):
-    batch, heads, length, head_dim = query.shape
-    return query.new_empty(batch, length, heads, head_dim)
+    @policy_decode.register_fake
+    def _(query, key, value, layer, scale):
+        batch, heads, length, head_dim = query.shape
+        return query.new_empty(batch, length, heads, head_dim)
+
+    return policy_decode
 
 
 class _OpaquePolicy:
     """What `kv_policy_attention` calls as `kv_cache.policy.attend` inside the compiled forward."""
 
+    def __init__(self, op):
+        self.op = op
+
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                scale: float) -> torch.Tensor:
-        return torch.ops.longflow.policy_decode(query, key, value, layer, scale)
+        return self.op(query, key, value, layer, scale)
 
 
 class OpaqueCache(Cache):
@@ -76,10 +84,10 @@ class OpaqueCache(Cache):
     value on to the attention call, whose op stores them. One per compiled model, so that Dynamo's
     guards on it hold for every batch."""
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, op):
         super().__init__(layers=[])
         self.num_layers = num_layers
-        self.policy = _OpaquePolicy()
+        self.policy = _OpaquePolicy(op)
 
     def __len__(self) -> int:
         return self.num_layers
@@ -94,7 +102,8 @@ class OpaqueCache(Cache):
 class CompiledDecode:
     """The model's decode forward, compiled; called with the model's own keyword arguments.
 
-    `tuning`: Inductor's coordinate-descent tuning (`EngineConfig.compile_tuning`).
+    `tuning`: Inductor's coordinate-descent tuning (`EngineConfig.compile_tuning`). `active`: the
+    policy of the call in progress, which its op runs (None between calls).
     `compile_seconds`: wall time of the calls that compiled (tracing, Inductor, the first run's
     autotuning), summed; each compilation is also logged. After a compilation failure (a model
     Dynamo cannot trace whole) it warns once and calls the model eagerly from then on.
@@ -102,7 +111,9 @@ class CompiledDecode:
 
     def __init__(self, model: PreTrainedModel, backend: str = "inductor", tuning: bool = False):
         self.model = model
-        self.cache = OpaqueCache(model.config.get_text_config().num_hidden_layers)
+        self.active: KVPolicy | None = None
+        self.cache = OpaqueCache(model.config.get_text_config().num_hidden_layers,
+                                 policy_decode_op(f"policy_decode_{next(_instances)}", self.running))
         self.tuning = tuning
         options = {"coordinate_descent_tuning": True} if tuning else None
         # Dynamo keeps compiled graphs, and counts recompilations against `recompile_limit` (8), per
@@ -116,6 +127,9 @@ class CompiledDecode:
         self.compile_seconds = 0.0
         self.failed = False
 
+    def running(self) -> KVPolicy:
+        return self.active
+
     def _forward(self, **kwargs) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         output = self.model(past_key_values=self.cache, kv_cache=self.cache, **kwargs)
         return output.logits, output.hidden_states
@@ -125,7 +139,7 @@ class CompiledDecode:
             return self.model(past_key_values=past_key_values, kv_cache=kv_cache, **kwargs)
         graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
-        _active.append(kv_cache.policy)
+        self.active = kv_cache.policy
         try:
             logits, hidden_states = self.compiled(**kwargs)
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as error:
@@ -134,7 +148,7 @@ class CompiledDecode:
             self.failed = True
             return self.model(past_key_values=past_key_values, kv_cache=kv_cache, **kwargs)
         finally:
-            _active.pop()
+            self.active = None
         if counters["stats"]["unique_graphs"] != graphs:
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds

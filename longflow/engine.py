@@ -132,6 +132,9 @@ class Engine:
         # Handed to the policies that re-rotate cached keys (StreamingLLM's `lf_repo`), so that they
         # use the model's own frequencies and scaling (Llama 3.1's `rope_scaling` included).
         self.rotary = getattr(model.get_decoder(), "rotary_emb", None)
+        # The attention modules' softmax scale, which the policies' scores use too.
+        self.scale = next((module.scaling for module in model.modules()
+                           if hasattr(module, "scaling") and hasattr(module, "layer_idx")), None)
         # The decode steps' forward, compiled (`longflow.compile`); None: the model's own, eagerly.
         self.decode_forward = None
         if self.config.compile and self.device.type == "cuda":
@@ -171,7 +174,7 @@ class Engine:
     def prompt_forward(self, caches, state, input_ids, pad) -> list[torch.Tensor]:
         """The prompt `[B, L]` through each cache in `caches`, which then expect the first decode
         step at `state.positions`; returns each cache's last logits `[B, V]`."""
-        positions = (pad.long().cumsum(dim=-1) - 1).clamp(min=0)
+        positions = prompt_positions(pad)
         logits = []
         for cache in caches:
             cache.policy.begin_prefill(pad, positions)
@@ -384,7 +387,7 @@ class Engine:
         policy.allocate(CacheSpec(
             batch=batch, layers=self.num_layers, q_heads=self.q_heads, kv_heads=self.kv_heads,
             head_dim=self.head_dim, prompt_len=prompt_len, max_new_tokens=generation.max_new_tokens,
-            dtype=self.dtype, device=self.device, rotary=self.rotary, vocab=self.vocab,
+            dtype=self.dtype, device=self.device, rotary=self.rotary, vocab=self.vocab, scale=self.scale,
         ))
         return PolicyCache(policy, self.num_layers)
 
@@ -404,6 +407,11 @@ class Engine:
             tokens.append(ids)
             reasons.append("eos" if ended else "length")
         return tokens, reasons
+
+
+def prompt_positions(pad: torch.Tensor) -> torch.Tensor:
+    """The position of every token of a left-padded prompt, `[B, L]` bool -> `[B, L]` int64 (0 on padding)."""
+    return (pad.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
 def check_inputs(prompts: list[list[int]], seeds: list[int], limits: list[int] | None,

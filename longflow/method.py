@@ -22,9 +22,12 @@ Fields (`conf/method/longflow.yaml`):
     prefill (their SnapKV score is +inf) and at decode.
   - `protect_newest`: beyond the paper (default off): the token written this step is never the
     next one evicted.
-  - `use_kernel`: `auto` (Triton on CUDA, the reference on the CPU), `triton` or `reference`.
+  - `use_kernel`: `auto` (Triton on CUDA, the reference on the CPU), `triton` or `reference`; a
+    switch for tests and benchmarks (runs keep `auto`).
   - `variant`: `paper` or `lf_repo` (the LongFlow authors' code). They decode identically and
     differ only in the prefill rule below.
+  - `prefill` (of every method, `KVPolicy`): `snapkv` (default) or `by_score` (the prompt cut by
+    the score above, with the last prompt query's attention; beyond the paper).
 Prefill, when the prompt is longer than the budget: SnapKV (the rule for methods without their
 own), one selection per layer (`layer`) or per KV head (`kv_head`), keeping budget - 1 tokens so
 that the first decode token finds a free slot: the 32 newest prompt tokens and the best of the
@@ -44,12 +47,12 @@ import torch
 
 from longflow.errors import UserError
 from longflow.kernels import longflow_attention, reference
-from longflow.policy import KVPolicy, Observation
+from longflow.policy import VARIANTS, KVPolicy, Observation, one_of
+from longflow.selection import sink_mask
 from longflow.snapkv import snapkv_scores
 
 GRANULARITIES = ("layer", "kv_head")
 KERNELS = ("auto", "triton", "reference")
-VARIANTS = ("paper", "lf_repo")
 
 
 @dataclass(eq=False)
@@ -66,14 +69,9 @@ class LongFlowPolicy(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.granularity not in GRANULARITIES:
-            raise UserError(
-                f"{self.name}: granularity must be one of {GRANULARITIES}, got {self.granularity!r}"
-            )
-        if self.use_kernel not in KERNELS:
-            raise UserError(f"{self.name}: use_kernel must be one of {KERNELS}, got {self.use_kernel!r}")
-        if self.variant not in VARIANTS:
-            raise UserError(f"{self.name}: variant must be one of {VARIANTS}, got {self.variant!r}")
+        one_of(self.name, "granularity", self.granularity, GRANULARITIES)
+        one_of(self.name, "use_kernel", self.use_kernel, KERNELS)
+        one_of(self.name, "variant", self.variant, VARIANTS)
         if self.n_sink < 0:
             raise UserError(f"{self.name}: n_sink must be >= 0, got {self.n_sink}")
         protected = self.n_sink + int(self.protect_newest)
@@ -94,7 +92,7 @@ class LongFlowPolicy(KVPolicy):
             return super().decode(layer, q, scale)
         slots = self.layers[layer]
         # One shared selection: every KV head of `valid` and `positions` holds the same row.
-        protect = self._protected(slots.positions[:, 0])  # [B, S] or None
+        protect = self._protected(slots.positions[:, 0], self.positions)  # [B, S] or None
         attention = self._attention(q)
         out, next_slot = attention(q, slots.keys, slots.values, slots.valid[:, 0], scale, protect=protect)
         self.next_slot[layer].copy_(next_slot[:, None].expand_as(self.next_slot[layer]))
@@ -116,21 +114,22 @@ class LongFlowPolicy(KVPolicy):
         return score
 
     def protected(self, obs: Observation) -> torch.Tensor | None:
-        return self._protected(obs.positions)
+        return self._protected(obs.positions, obs.newest)
 
-    def _protected(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """Slots never evicted (sinks, the newest token) from their positions (-1 = free); None if none."""
+    def _protected(self, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor | None:
+        """Slots never evicted (sinks, the newest token) from their positions (-1 = free) and the
+        newest position `[B]`; None if none."""
         protect = None
         if self.n_sink:
-            protect = (positions >= 0) & (positions < self.n_sink)
+            protect = sink_mask(positions, self.n_sink)
         if self.protect_newest:
-            newest = positions == self.positions.view(-1, *([1] * (positions.dim() - 1)))
+            newest = positions == newest.view(-1, *([1] * (positions.dim() - 1)))
             protect = newest if protect is None else protect | newest
         return protect
 
     # ---- prefill -----------------------------------------------------------------------------
 
-    def prefill_scores(
+    def snapkv_scores(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
         """SnapKV (see the module docstring), with the first `n_sink` positions always kept."""
@@ -140,6 +139,6 @@ class LongFlowPolicy(KVPolicy):
             # SnapKV's observation window scores +inf; the sinks rank above it (the window can be
             # longer than the budget), so the window drops to the largest finite score.
             scores = scores.clamp(max=torch.finfo(scores.dtype).max)
-            sinks = (self.prompt_positions < self.n_sink) & self.pad  # [B, L]
+            sinks = sink_mask(self.prompt_positions, self.n_sink) & self.pad  # [B, L]
             scores = scores.masked_fill(sinks[:, None, :], float("inf"))
         return scores

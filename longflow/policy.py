@@ -43,17 +43,17 @@ D head dim, n rows.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from longflow.attention import decode_attention, masked_decode_attention, prefill_attention
+from longflow.attention import decode_attention, masked_decode_attention, prefill_attention, window_probs
 from longflow.errors import UserError
 from longflow.history import QueryHistory
 from longflow.kernels import flash_decode
-from longflow.selection import choose_keep, choose_next, first_free
+from longflow.selection import choose_keep, choose_next, chosen_mask, first_free, selection_keys
 from longflow.slots import LayerSlots, SlotCache, SlotState
 from longflow.snapkv import snapkv_scores
 
@@ -67,6 +67,11 @@ SCHEDULES = ("step", "interval")
 IDLE = float("-inf")
 BUDGET_SCOPES = ("per_layer", "total")
 OBSERVABLE = frozenset({"logits", "prompt_logits", "hidden_states"})
+# The variants of the methods the LongFlow authors ran (a method's `variant` field): `paper`, the method as
+# its paper and official code define it; `lf_repo`, as the authors' baseline code runs it (docs/methods.md).
+VARIANTS = ("paper", "lf_repo")
+# How a prompt longer than the budget is cut, for a method without a prompt rule of its own (`KVPolicy.prefill`).
+PREFILL_RULES = ("snapkv", "by_score")
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -90,6 +95,12 @@ class CacheSpec:
     # for methods that re-rotate cached keys or queries (None when the engine did not find one).
     rotary: Callable | None = None
     vocab: int | None = None  # for policies that observe the logits (static buffers of `[B, vocab]`)
+    # The model's softmax scale (the attention modules' `scaling`); None: 1 / sqrt(head_dim).
+    scale: float | None = None
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim ** -0.5 if self.scale is None else self.scale
 
 
 def shrink_interval(name: str, budget: int, compress_every: int, least_kept: int) -> int:
@@ -106,6 +117,17 @@ def shrink_interval(name: str, budget: int, compress_every: int, least_kept: int
     warnings.warn(f"{name}: budget {budget} leaves no room for compress_every={compress_every}; using {shrunk}",
                   stacklevel=4)
     return shrunk
+
+
+def keep_after_cut(name: str, budget: int, compress_every: int, least_kept: int) -> int:
+    """The slots an interval method keeps at a cut under the cap: budget - `shrink_interval(...)`."""
+    return budget - shrink_interval(name, budget, compress_every, least_kept)
+
+
+def one_of(name: str, field_name: str, value: Any, choices: Sequence) -> None:
+    """Raises the UserError of a config field whose value is not among `choices`."""
+    if value not in choices:
+        raise UserError(f"{name}: {field_name} must be one of {tuple(choices)}, got {value!r}")
 
 
 class Observation:
@@ -174,18 +196,123 @@ class Observation:
         return self._probs
 
 
+class PromptObservation(Observation):
+    """The prompt of one layer seen as slots, for `prefill: by_score`: the same API as `Observation`.
+
+    keys, values: the prompt's `[B, Hkv, L, D]`; valid: its real tokens; positions: theirs (-1 on
+    padding); newest: each row's last prompt position; probs: the last prompt query's attention;
+    queries(w): the last w prompt queries. A prompt has no per-slot state: `state` raises UserError.
+    """
+
+    def __init__(self, policy: KVPolicy, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.policy, self.layer, self.rows, self._probs = policy, layer, None, None
+        self.q, self._keys, self._values = q, k, v
+        pad = policy.pad[:, None, :].expand(-1, k.shape[1], -1)  # [B, Hkv, L]
+        self._valid = pad
+        self._positions = policy.prompt_positions[:, None, :].expand_as(pad).masked_fill(~pad, -1)
+
+    keys = property(lambda self: self._keys)
+    values = property(lambda self: self._values)
+    valid = property(lambda self: self._valid)
+    positions = property(lambda self: self._positions)
+
+    @property
+    def newest(self) -> torch.Tensor:
+        return self.policy.pad.sum(dim=-1) - 1
+
+    def state(self, name: str) -> torch.Tensor:
+        raise UserError(f"{self.policy.name}: prefill=by_score applies the score to the prompt, which has no "
+                        f"per-slot state {name!r}; use prefill=snapkv")
+
+    def queries(self, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        length = self.q.shape[2]
+        taken = min(window, length)
+        queries = self.q[:, :, length - taken:]
+        positions = self.policy.prompt_positions[:, length - taken:]
+        valid = self.policy.pad[:, length - taken:]
+        if taken < window:  # a window longer than the prompt: the missing oldest entries are invalid
+            missing = window - taken
+            queries = torch.cat([queries.new_zeros(*queries.shape[:2], missing, queries.shape[3]), queries], dim=2)
+            positions = torch.cat([positions.new_full((positions.shape[0], missing), -1), positions], dim=1)
+            valid = torch.cat([valid.new_zeros(valid.shape[0], missing), valid], dim=1)
+        return queries, positions, valid
+
+    @property
+    def probs(self) -> torch.Tensor:
+        if self._probs is None:
+            scale = self.policy.scale
+            self._probs = window_probs(self.q, self._keys, self.policy.pad, scale, window=1)[:, :, :, 0]
+        return self._probs
+
+
+@dataclass(eq=False)
+class BatchState:
+    """Everything a policy holds for one batch, made by `KVPolicy.allocate`; the policy keeps its config.
+
+    slots: the slot cache; history: the recent queries (None when the method reads none); scale:
+    the model's softmax scale; prefilling: between `begin_prefill` and `begin_decode`; pad `[B, L]`
+    bool, prompt_positions `[B, L]` and prompt_lengths (host ints): the prompt; positions `[B]`:
+    the engine's static tensor of the position each row writes at the current step; held: host
+    count of the slots each row holds (interval methods; `IDLE` for a released row).
+    """
+
+    spec: CacheSpec
+    slots: SlotCache
+    history: QueryHistory | None
+    scale: float
+    prefilling: bool = False
+    pad: torch.Tensor | None = None
+    prompt_positions: torch.Tensor | None = None
+    prompt_lengths: list[int] = field(default_factory=list)
+    positions: torch.Tensor | None = None
+    held: list[float] = field(default_factory=list)
+
+
+class OfBatch:
+    """A policy attribute that lives on its `BatchState` (read and written through the policy)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, policy: KVPolicy | None, owner: type | None = None):
+        if policy is None:
+            return self
+        if policy.batch is None:
+            raise AttributeError(f"{policy.name}: {self.name} belongs to a batch; call allocate(spec) first")
+        return getattr(policy.batch, self.name)
+
+    def __set__(self, policy: KVPolicy, value) -> None:
+        if policy.batch is None:
+            raise AttributeError(f"{policy.name}: {self.name} belongs to a batch; call allocate(spec) first")
+        setattr(policy.batch, self.name, value)
+
+
 @dataclass(eq=False)
 class KVPolicy:
     """Base class of every KV-cache method (see the module docstring).
 
+    A policy object is its method's config (the dataclass fields, checked once in `__post_init__`)
+    and its behaviour; what belongs to one batch (the slot cache, the query history, the prompt's
+    padding and positions, the current positions, the host slot counts) is a `BatchState` that
+    `allocate` makes, read through the policy's attributes of the same names (`self.layers`,
+    `self.positions`, ...).
+
     Fields: `budget`, the KV slots a sequence may hold per layer (the run's `budget`; None for the
     full cache); `budget_scope`: `per_layer` (each layer holds at most `budget`) or `total`
     (the layers together hold at most layers x budget, for methods whose capacities differ by
-    layer). Subclasses add their own fields and check them in `__post_init__`, raising UserError.
+    layer); `prefill`: how a prompt longer than the budget is cut, for a method without a prompt
+    rule of its own (one that does not override `prefill_scores`):
+      - `snapkv` (default): SnapKV's window attention (`longflow.snapkv`);
+      - `by_score`: the method's own `score` and `protected`, applied to the prompt as if its
+        tokens were slots (`PromptObservation`: the last prompt query's attention as `probs`, the
+        last prompt queries as `queries(w)`); kept: the protected tokens, then the top-scoring ones.
+        A score that reads per-slot state cannot be evaluated on a prompt (UserError).
+    Subclasses add their own fields and check them in `__post_init__`, raising UserError.
     """
 
     budget: int | None = None
     budget_scope: str = field(default="per_layer", kw_only=True)
+    prefill: str = field(default="snapkv", kw_only=True)
 
     name: ClassVar[str] = "base"
     schedule: ClassVar[str] = "step"
@@ -201,16 +328,40 @@ class KVPolicy:
     # and records no budget). `build_policy` reads it, so no caller decides by the method's name.
     uses_budget: ClassVar[bool] = True
 
+    # The per-batch state, through the policy (see `BatchState`).
+    slots = OfBatch()
+    history = OfBatch()
+    scale = OfBatch()
+    prefilling = OfBatch()
+    pad = OfBatch()
+    prompt_positions = OfBatch()
+    prompt_lengths = OfBatch()
+    positions = OfBatch()
+    held = OfBatch()
+
     def __post_init__(self):
         if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
                                         or self.budget <= 0):
             raise UserError(f"budget must be a positive integer number of KV slots, got {self.budget!r}")
-        if self.budget_scope not in BUDGET_SCOPES:
-            raise UserError(f"{self.name}: budget_scope must be one of {BUDGET_SCOPES}, got {self.budget_scope!r}")
+        one_of(self.name, "budget_scope", self.budget_scope, BUDGET_SCOPES)
+        one_of(self.name, "prefill", self.prefill, PREFILL_RULES)
+        if self.prefill != "snapkv" and self.has_prompt_rule():
+            raise UserError(f"{self.name} cuts a prompt by its own rule (its prefill_scores); prefill must stay "
+                            f"'snapkv', got {self.prefill!r}")
         if self.schedule not in SCHEDULES or not self.observes <= OBSERVABLE:  # the class's own declarations
             raise ValueError(f"{type(self).__name__}: schedule must be one of {SCHEDULES} and observes a subset of "
                              f"{sorted(OBSERVABLE)}, got {self.schedule!r}, {sorted(self.observes)}")
-        self.spec: CacheSpec | None = None
+        self.batch: BatchState | None = None
+
+    @classmethod
+    def has_prompt_rule(cls) -> bool:
+        """Whether the class cuts a long prompt by a rule of its own (it overrides `prefill_scores`)."""
+        return cls.prefill_scores is not KVPolicy.prefill_scores
+
+    @property
+    def spec(self) -> CacheSpec | None:
+        """The shapes of the current batch (None before the first `allocate`)."""
+        return None if self.batch is None else self.batch.spec
 
     # ---- what a method declares --------------------------------------------------------------
 
@@ -252,11 +403,23 @@ class KVPolicy:
     def prefill_scores(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        """Prompt scores `[B, Hkv, L]`, higher = keep; padding must score -inf. Default: SnapKV."""
+        """Prompt scores `[B, Hkv, L]`, higher = keep; padding must score -inf. By the `prefill`
+        field: SnapKV (`snapkv_scores`), or the method's `score` on the prompt (`by_score`)."""
+        if self.prefill == "by_score":
+            prompt = PromptObservation(self, layer, q, k, v)
+            score = self.score(prompt).expand_as(prompt.valid)
+            return selection_keys(score.float(), prompt.valid, self.protected(prompt))
+        return self.snapkv_scores(layer, q, k, v, scale)
+
+    def snapkv_scores(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """SnapKV's prompt scores `[B, Hkv, L]`, one selection per layer or per KV head as the method's."""
         return snapkv_scores(q, k, self.pad, scale, shared=self.shared_selection)
 
-    def on_prompt_stored(self, layer: int, kept: torch.Tensor) -> None:
-        """Called after prefill with the kept prompt indices `[B, Hkv, n]` (methods with state)."""
+    def on_prompt_stored(self, layer: int, kept: torch.Tensor, scores: torch.Tensor | None) -> None:
+        """Called after prefill with the kept prompt indices `[B, Hkv, n]` (methods with state) and the
+        prompt scores `[B, Hkv, L]` that chose them (`prefill_scores`; None when every token fit)."""
 
     def prepare(self, spec: CacheSpec) -> None:
         """What a method needs from the model, checked and loaded once per batch, before the buffers
@@ -279,9 +442,8 @@ class KVPolicy:
         return self.slots.next_slot
 
     def allocate(self, spec: CacheSpec) -> None:
-        """Allocate the static buffers of one batch (called again for every batch)."""
+        """A fresh `BatchState` with the static buffers of one batch (called again for every batch)."""
         self.prepare(spec)
-        self.spec = spec
         capacities = self.layer_capacities(spec)
         if self.budget_scope == "total" and sum(capacities) > spec.layers * self.budget:
             raise UserError(f"{self.name}: the layers' capacities ({sum(capacities)} slots) exceed the total "
@@ -291,31 +453,31 @@ class KVPolicy:
             if caps is not None and (len(caps) != spec.kv_heads or max(caps) > capacities[layer] or min(caps) < 2):
                 raise UserError(f"{self.name}: layer {layer}'s head capacities {caps} must be {spec.kv_heads} "
                                 f"numbers in [2, {capacities[layer]}]")
-        self.slots = SlotCache(spec.batch, spec.kv_heads, spec.head_dim, spec.dtype, spec.device, capacities,
-                               heads if any(caps is not None for caps in heads) else None, self.slot_state())
+        states = self.slot_state()
+        if self.prefill == "by_score" and states:
+            raise UserError(f"{self.name}: prefill=by_score applies the score to the prompt, which has no per-slot "
+                            f"state ({', '.join(states)}); use prefill=snapkv")
+        slots = SlotCache(spec.batch, spec.kv_heads, spec.head_dim, spec.dtype, spec.device, capacities,
+                          heads if any(caps is not None for caps in heads) else None, states)
         window = self.query_window()
-        self.history = QueryHistory(spec.layers, spec.batch, spec.q_heads, window, spec.head_dim, spec.dtype,
-                                    spec.device) if window else None
-        self.scale = spec.head_dim ** -0.5
-        self.prefilling = False
-        self.held: list[int] = []
+        history = QueryHistory(spec.layers, spec.batch, spec.q_heads, window, spec.head_dim, spec.dtype,
+                               spec.device) if window else None
+        self.batch = BatchState(spec, slots, history, spec.softmax_scale)
 
     def begin_prefill(self, pad: torch.Tensor, positions: torch.Tensor) -> None:
         """pad: `[B, L]` bool (True = real token); positions: `[B, L]` int64."""
-        self.prefilling = True
-        self.pad = pad
-        self.prompt_positions = positions
+        batch = self.batch
+        batch.prefilling, batch.pad, batch.prompt_positions = True, pad, positions
         # Real tokens per row, on the host for methods whose storage depends on them (one sync per
         # batch, before the prompt forward).
-        self.prompt_lengths: list[int] = pad.sum(dim=-1).tolist()
+        batch.prompt_lengths = pad.sum(dim=-1).tolist()
 
     def begin_decode(self, positions: torch.Tensor) -> None:
         """positions: `[B]` int64, the position of the token each row writes at the current step.
 
         The engine updates this tensor in place before every step; the policy keeps the reference.
         """
-        self.prefilling = False
-        self.positions = positions
+        self.batch.prefilling, self.batch.positions = False, positions
         if self.schedule == "interval":  # host count of the slots each row holds, the same in every layer
             self.held = [self.held_after_prompt(n) for n in self.prompt_lengths]
 
@@ -323,8 +485,7 @@ class KVPolicy:
 
     def begin_serving(self, positions: torch.Tensor) -> None:
         """Decode with no sequence in any row yet: rows get theirs from `admit`. positions: as `begin_decode`."""
-        self.prefilling = False
-        self.positions = positions
+        self.batch.prefilling, self.batch.positions = False, positions
         self.held = [IDLE] * self.spec.batch
 
     def admit(self, rows: torch.Tensor, staged: KVPolicy) -> None:
@@ -384,7 +545,6 @@ class KVPolicy:
     ) -> torch.Tensor:
         """The attention function: q `[B, Hq, Lq, D]` -> `[B, Lq, Hq, D]` (HF's layout)."""
         if self.prefilling:
-            self.scale = scale
             out = prefill_attention(q, k, v, self.pad, scale)
             if self.history is not None:
                 self.history.record_prompt(layer, q, self.pad)
@@ -414,9 +574,8 @@ class KVPolicy:
         """Decode attention without probabilities, q `[B, Hq, D]` -> `[B, Hq, D]`, over every slot
         with `valid` masking the free ones (they lie anywhere after a compression). On CUDA flash
         decoding, for the strongest baseline: SDPA given a mask leaves its flash and cuDNN backends
-        and builds a `[B, Hq, 1, S]` mask per layer and step (R-KV's step: 40 ms at batch 408, fig3
-        at 453070a), and the eager attention with probabilities writes and reads them in fp32
-        (StreamingLLM's: 53 ms at 411, against LongFlow's 39)."""
+        and builds a `[B, Hq, 1, S]` mask per layer and step, and the eager attention with
+        probabilities writes and reads them in fp32."""
         if q.is_cuda:
             return flash_decode(q, slots.keys, slots.values, slots.valid, None, scale)
         return masked_decode_attention(q, slots.keys, slots.values, slots.valid, scale)
@@ -439,23 +598,36 @@ class KVPolicy:
         counts = None
         if slots.usable is not None:  # per-head capacities: each head keeps at most its capacity - 1
             counts = (slots.usable.sum(dim=-1) - 1).clamp(max=keep)  # [Hkv]
+        scores = None
         if max(self.prompt_lengths) <= (keep if counts is None else int(counts.min())):
             # Every real token fits; with left padding they are all among the last `keep` positions.
-            kept = keep
             self.slots.store_prompt(layer, k, v, keep, self.pad, self.prompt_positions)
+            kept = torch.arange(length - keep, length, device=k.device).expand(spec.batch, spec.kv_heads, keep)
         else:
             pad = self.pad[:, None, :].expand(-1, k.shape[1], -1)
-            kept = choose_keep(self.prefill_scores(layer, q, k, v, scale), pad, keep)  # [B, Hkv, keep], best first
+            scores = self.prefill_scores(layer, q, k, v, scale)
+            kept = choose_keep(scores, pad, keep)  # [B, Hkv, keep], best first
             if counts is not None:  # a head's ranks beyond its count are dropped (sorted last, stored free)
                 kept = torch.where(torch.arange(keep, device=k.device) < counts[:, None], kept, length)
             kept = kept.sort(dim=-1).values
             self.slots.store_prompt(layer, k, v, kept, self.pad, self.prompt_positions)
-        if isinstance(kept, int):
-            kept = torch.arange(length - keep, length, device=k.device).expand(spec.batch, spec.kv_heads, keep)
-        self.on_prompt_stored(layer, kept.clamp(max=length - 1))
+        kept = kept.clamp(max=length - 1)
+        self.prompt_state(layer, q, k, v, kept)
+        self.on_prompt_stored(layer, kept, scores)
         if self.schedule == "interval":
             # Held slots first, in position order: left padding leaves free slots below the prompt.
             self.slots.compact(layer, None, self.layers[layer].valid.clone())
+
+    def prompt_state(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept: torch.Tensor) -> None:
+        """The per-slot states with an `on_prompt` rule, for the kept prompt tokens `[B, Hkv, n]`."""
+        rules = {name: state for name, state in self.slots.states.items() if state.on_prompt is not None}
+        if not rules:
+            return
+        prompt, slots, count = PromptObservation(self, layer, q, k, v), self.layers[layer], kept.shape[-1]
+        valid = slots.valid[..., :count]
+        for name, state in rules.items():
+            value = state.on_prompt(prompt).gather(2, kept).to(state.dtype)
+            slots.state[name][..., :count].copy_(torch.where(valid, value, state.fill))
 
     # ---- interval compression ----------------------------------------------------------------
 
@@ -466,15 +638,19 @@ class KVPolicy:
         `keep_after`: set by every interval method (its capacity minus its interval)."""
         self.slots.record_peak()  # the rows are full: their peak, before the cut frees slots
         index = torch.tensor(rows, dtype=torch.long, device=self.spec.device)
+        for layer, keep in zip(range(self.spec.layers), self.keep_masks(index), strict=True):
+            self.slots.compact(layer, index, keep)
+
+    def keep_masks(self, rows: torch.Tensor) -> Iterator[torch.Tensor]:
+        """The slots a compression of `rows` `[n]` keeps in each layer, `[n, Hkv, S]` bool, layer by
+        layer (a method that scores several layers at once overrides this)."""
         for layer in range(self.spec.layers):
-            obs = Observation(self, layer, rows=index)
-            self.slots.compact(layer, index, self.keep_mask(obs, self.keep_after))
+            yield self.keep_mask(Observation(self, layer, rows=rows), self.keep_after)
 
     def keep_mask(self, obs: Observation, count: int) -> torch.Tensor:
         """The slots a compression keeps, `[n, Hkv, S]` bool: `count` of them by the selection rule."""
         valid = obs.valid
-        chosen = choose_keep(self.score(obs).expand_as(valid), valid, count, self.protected(obs))
-        return torch.zeros_like(valid).scatter_(-1, chosen, True) & valid
+        return chosen_mask(choose_keep(self.score(obs).expand_as(valid), valid, count, self.protected(obs)), valid)
 
     # ---- the peak ----------------------------------------------------------------------------
 

@@ -13,8 +13,6 @@ import torch
 
 from longflow.config import GenerationConfig
 
-_MASK64 = -1  # all 64 bits set, as a signed int64
-
 
 def _logical_shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
     # torch's >> on int64 is arithmetic; masking off the sign-extended bits makes it logical.

@@ -10,6 +10,8 @@ ties to the lowest slot index), and of the decode-attention benchmark.
 - `choose_keep`: the slots a compression keeps: every protected valid slot, then the best
   scored ones; never a free slot unless fewer than `count` slots are valid.
 - `first_free`: the lowest free slot, for methods that never evict between compressions.
+- `chosen_mask`: the kept slots of a `choose_keep` as a mask; `sink_mask`: the attention sinks, the
+  first n positions that a method never evicts.
 
 Scores may be float (any scale) or integer (StreamingLLM ranks by position). Notation: `[..., S]`
 with any leading dimensions (`[B, Hkv, S]` or `[B, S]`).
@@ -77,3 +79,17 @@ def first_free(valid: torch.Tensor, usable: torch.Tensor | None = None) -> torch
     """`[..., S]` bool -> `[...]` int64: the lowest free slot (0 when none is free)."""
     free = ~valid if usable is None else ~valid & usable
     return free.to(torch.uint8).argmax(dim=-1)
+
+
+def chosen_mask(chosen: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """chosen `[..., n]` slot indices, valid `[..., S]` bool -> `[..., S]` bool: the chosen slots that are valid."""
+    return torch.zeros_like(valid).scatter_(-1, chosen, True) & valid
+
+
+def sink_mask(positions: torch.Tensor, count: int) -> torch.Tensor:
+    """`[..., S]` positions -> bool: the attention sinks, the first `count` positions, never evicted.
+
+    Free slots (position -1) come out True too, which every use allows (a protected free slot is
+    still free, and the first chosen): one comparison, in a decode step that runs it per layer.
+    """
+    return positions < count

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,11 +36,16 @@ class SlotState:
 
     `fill`: the value of a free slot, and of a written one when `on_write` is None. `on_write`:
     the value of written slots from their values, `[..., n, D] -> [..., n]` (VATP's norms).
+    `on_prompt`: the value of the prompt tokens kept at prefill, from the layer's prompt
+    (`longflow.policy.PromptObservation` -> `[B, Hkv, L]`; H2O's attention received from the
+    prompt's queries), instead of `on_write`'s. Module-level functions, not bound methods: the cache
+    that holds them belongs to the policy, and a reference back would keep a batch's buffers alive.
     """
 
     dtype: torch.dtype = torch.float32
     fill: float = 0.0
     on_write: Callable[[torch.Tensor], torch.Tensor] | None = None
+    on_prompt: Callable[[Any], torch.Tensor] | None = None
 
 
 class LayerSlots:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import yaml
-from conftest import REPO, method_defaults, method_names, policy_of
+from helpers import REPO, method_defaults, method_names, policy_of
 
 from baselines.ams import AMSPolicy, quotas, round_robin, segments
 from baselines.tova import TOVAPolicy

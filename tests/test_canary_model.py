@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import policy_of
+from helpers import policy_of
 from transformers import AutoTokenizer
 
 from evals.canary.task import CanaryTask

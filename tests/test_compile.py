@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import LONG_TEXTS, policy_of, tiny_model
+from helpers import LONG_TEXTS, policy_of, tiny_model
 from torch._dynamo.utils import counters
 
 from longflow.compile import CompiledDecode

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from conftest import capped_policy, method_variants, policy_of, tiny_model
+from helpers import capped_policy, method_variants, policy_of, tiny_model
 
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine

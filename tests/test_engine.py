@@ -2,41 +2,14 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
+from helpers import TEXTS, hf_generate
 
 from baselines.vanilla import VanillaPolicy
-from longflow.cache import ATTENTION_NAME
 from longflow.config import GenerationConfig
 from longflow.engine import Engine
 from longflow.models import eos_token_ids
-
-TEXTS = ["What is 2 + 3?", "hi", "Compute the sum of the first ten odd numbers, please."]
-
-
-@contextmanager
-def hf_attention(model):
-    """HF's own SDPA attention and DynamicCache, for the reference run."""
-    model.set_attn_implementation("sdpa")
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(ATTENTION_NAME)
-
-
-def hf_generate(model, tokenizer, prompts, **kwargs) -> list[list[int]]:
-    """Batched, left-padded `model.generate`; returns the new tokens of each row."""
-    length = max(map(len, prompts))
-    pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([[pad] * (length - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts])
-    eos = eos_token_ids(model, tokenizer)
-    with hf_attention(model), torch.no_grad():
-        out = model.generate(input_ids, attention_mask=mask, pad_token_id=pad, eos_token_id=eos, **kwargs)
-    rows = out[:, length:].tolist()
-    return [row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))] for row in rows]
 
 
 def engine_for(model, tokenizer, eos=None):

@@ -11,8 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import COMPRESSING, REPO, policy_of, tiny_model
-from test_engine import hf_attention
+from helpers import COMPRESSING, REPO, hf_attention, policy_of, tiny_model
 from test_figures import is_png, write_run
 from test_run import BASE, records, run_cli, run_dirs
 from transformers import RepetitionPenaltyLogitsProcessor

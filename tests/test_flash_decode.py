@@ -15,8 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from conftest import policy_of  # noqa: E402
-from test_engine import TEXTS, hf_generate  # noqa: E402
+from helpers import TEXTS, filled_attention, hf_generate, policy_of  # noqa: E402
 
 from longflow.config import GenerationConfig  # noqa: E402
 from longflow.engine import Engine  # noqa: E402
@@ -26,18 +25,6 @@ from longflow.models import eos_token_ids  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def filled_attention(q, k, v, valid, lengths, scale):
-    """The truth, in float64: softmax over slots j < lengths[b] with valid[b, j]; query head h reads
-    KV head h // G (HF's `repeat_kv`). q `[B, Hq, D]`; k, v `[B, Hkv, S, D]` -> `[B, Hq, D]`."""
-    group = q.shape[1] // k.shape[1]
-    k, v = (x.double().repeat_interleave(group, dim=1) for x in (k, v))  # [B, Hq, S, D]
-    logits = torch.einsum("bhd,bhsd->bhs", q.double(), k) * scale
-    slots = torch.arange(k.shape[2], device=k.device)
-    seen = valid & (slots[None, :] < lengths[:, None])  # [B, S]
-    logits = logits.masked_fill(~seen[:, None, :], float("-inf"))
-    return torch.einsum("bhs,bhsd->bhd", torch.softmax(logits, dim=-1), v)
 
 
 def ragged_inputs(batch, q_heads, kv_heads, slots, head_dim, dtype, seed):

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import COMPRESSING, FAMILIES, method_variants, policy_of, tiny_spec
-from test_engine import TEXTS, hf_generate
-from test_flash_decode import filled_attention
+from helpers import COMPRESSING, FAMILIES, TEXTS, filled_attention, hf_generate, method_variants, policy_of, tiny_spec
 
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from conftest import REPO, drive_layer, method_defaults, policy_of
+from helpers import REPO, drive_layer, method_defaults, policy_of
 
 from baselines.keydiff import KeyDiffPolicy
 from longflow.errors import UserError

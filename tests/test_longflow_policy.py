@@ -257,7 +257,7 @@ def test_small_budget_caps_the_cache(tiny):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_kernel_in_cuda_graph_generates_the_vanilla_tokens():
-    from conftest import tiny_model
+    from helpers import tiny_model
 
     model, tokenizer = tiny_model("qwen3")
     model.to(DEVICE)

@@ -13,7 +13,7 @@ import gc
 import weakref
 
 import pytest
-from conftest import capped_policy, generate, method_names, method_variants, policy_of
+from helpers import capped_policy, generate, method_names, method_variants, policy_of
 
 from baselines.vanilla import VanillaPolicy
 

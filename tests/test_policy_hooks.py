@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import LONG_TEXTS, generate, tiny_model
-from test_engine import hf_attention
+from helpers import LONG_TEXTS, generate, hf_attention, tiny_model
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 

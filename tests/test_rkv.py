@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import VARIANTS, capped, method_defaults, policy_of, tiny_model
+from helpers import VARIANTS, capped, method_defaults, policy_of, tiny_model
 
 from baselines.rkv import RKVPolicy, lf_repo_scores
 from baselines.vanilla import VanillaPolicy

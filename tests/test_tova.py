@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
-from conftest import REPO, drive_layer, method_defaults, policy_of
+from helpers import REPO, drive_layer, method_defaults, policy_of
 
 from baselines.tova import TOVAPolicy
 from longflow.methods import locate

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import LONG_TEXTS, VARIANTS, capped, drive_layer, generate, method_defaults, policy_of
+from helpers import LONG_TEXTS, VARIANTS, capped, drive_layer, generate, method_defaults, policy_of
 
 from baselines.vatp import VATPPolicy
 from longflow.errors import UserError

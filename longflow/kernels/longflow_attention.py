@@ -421,8 +421,8 @@ def default_config(
     per_part = 128 if split_regime else 256
     score_splits = max(1, min(triton.cdiv(slots, per_part), triton.cdiv(4 * sms, batch)))
     # In the split regime the pass must run at SDPA's speed on its own, and an fp32 scratch that
-    # overflows its share of L2 (a quarter) goes to DRAM: half the bytes in fp16 then win (batch 16,
-    # 8192 slots: the pass 0.138 -> 0.126 ms). With fewer, larger programs fp32 is as fast or faster.
+    # overflows its share of L2 (a quarter) goes to DRAM: half the bytes in fp16 then win
+    # (longflow/kernels/NOTES.md). With fewer, larger programs fp32 is as fast or faster.
     fp32_scratch_bytes = batch * q_heads * slots * 4
     scratch = "fp16" if split_regime and fp32_scratch_bytes > l2_bytes // 4 else "fp32"
     return LaunchConfig(block_n=block_n, num_stages=num_stages, splits=splits, score_splits=score_splits,

@@ -3,8 +3,8 @@
 `SlotCache.write` stores each row's new token into the slot its method chose: four scatters in
 PyTorch (keys, values, valid, positions), each a kernel of a few microseconds that moves a few
 hundred kilobytes. Per layer and step that is four launches for what is one write of 2 * D values
-per KV head; inside the engine's CUDA graph the launches, not the bytes, are the cost (about 0.7 ms
-of a 12 ms step at batch 128, 36 layers). One program per (row, KV head) does the four writes, and
+per KV head; inside the engine's CUDA graph the launches, not the bytes, are the cost
+(longflow/kernels/NOTES.md). One program per (row, KV head) does the four writes, and
 for a cache filled in order (vanilla) the next slot's advance too.
 """
 
