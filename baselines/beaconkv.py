@@ -59,6 +59,10 @@ from longflow.rotary import rotate_half, unrotate
 
 AGGREGATES = ("max", "mean")
 SCORES_ON = ("softmax", "logits")
+# float32 temporaries of one scoring call (the observation queries' logits over the slots) and of
+# one merge (the points of the banks merged together): rows and layers are taken in chunks below it.
+SCORE_BYTES = 1 << 30
+TEMPORARIES = 3  # float32 tensors of a logit's size alive at once in `beacon_scores`
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, rotary: Callable) -> torch.Tensor:
@@ -251,24 +255,27 @@ class BeaconKVPolicy(KVPolicy):
     @torch.no_grad()
     def merge(self, rows: list[int]) -> None:
         """Beacons and the queries appended since the last cut, FPS-reduced back to `n_beacons`, in
-        every layer at once (host hook, between steps)."""
-        spec, layers = self.spec, self.spec.layers
+        every layer (host hook, between steps): layers in groups of at most SCORE_BYTES of points."""
+        spec = self.spec
         index = torch.tensor(rows, dtype=torch.long, device=spec.device)
         window = self.buffer_size - self.n_beacons
         newest = self.newest(index)
         appended = torch.tensor([min(self.appended[row], window) for row in rows], device=spec.device)
-        recent = [self.history.recent(layer, newest, index, window) for layer in range(layers)]
-        _, positions, valid = recent[0]  # the same positions in every layer
-        fresh = valid & (torch.arange(window, device=spec.device) >= window - appended[:, None])  # [n, w]
-        recent = unrotate(torch.cat([queries for queries, _, _ in recent]), positions.clamp(min=0).repeat(layers, 1),
-                          spec.rotary)
-        beacons = torch.cat([self.beacons[layer].index_select(0, index) for layer in range(layers)])
-        points = torch.cat([beacons, recent], dim=2)  # [layers * n, Hq, K + w, D]
-        point_valid = torch.cat([self.beacon_valid.index_select(0, index), fresh], dim=-1).repeat(layers, 1)
-        indices, picked = farthest_point_sampling(points, point_valid, self.n_beacons)
-        kept = points.gather(2, indices[..., None].expand(-1, -1, -1, points.shape[-1]))
-        for layer in range(layers):
-            self.beacons[layer].index_copy_(0, index, kept[layer * len(rows):(layer + 1) * len(rows)])
+        positions = newest[:, None] - window + 1 + torch.arange(window, device=spec.device)  # [n, w]
+        fresh = (positions >= 0) & (torch.arange(window, device=spec.device) >= window - appended[:, None])
+        point_valid = torch.cat([self.beacon_valid.index_select(0, index), fresh], dim=-1)  # [n, K + w]
+        per_layer = len(rows) * spec.q_heads * self.buffer_size * spec.head_dim * 4
+        group = max(1, SCORE_BYTES // per_layer)
+        for start in range(0, spec.layers, group):
+            layers = range(start, min(spec.layers, start + group))
+            recent = torch.cat([self.history.recent(layer, newest, index, window)[0] for layer in layers])
+            recent = unrotate(recent, positions.clamp(min=0).repeat(len(layers), 1), spec.rotary)
+            beacons = torch.cat([self.beacons[layer].index_select(0, index) for layer in layers])
+            points = torch.cat([beacons, recent], dim=2)  # [g * n, Hq, K + w, D]
+            indices, picked = farthest_point_sampling(points, point_valid.repeat(len(layers), 1), self.n_beacons)
+            kept = points.gather(2, indices[..., None].expand(-1, -1, -1, points.shape[-1]))
+            for j, layer in enumerate(layers):
+                self.beacons[layer].index_copy_(0, index, kept[j * len(rows):(j + 1) * len(rows)])
         self.beacon_valid.index_copy_(0, index, picked[:len(rows)])
         for row in rows:
             self.appended[row] = 0
@@ -303,8 +310,13 @@ class BeaconKVPolicy(KVPolicy):
         queries = torch.cat([recent.float(), beacons], dim=2)
         query_valid = torch.cat([recent_valid, self.beacon_valid.index_select(0, rows)], dim=-1)
         candidates = obs.valid & ~self.protected(obs)
-        return beacon_scores(queries, query_valid, obs.keys, candidates, obs.scale, aggregate=self.aggregate,
-                             score_on=self.score_on, kernel=self.kernel)
+        keys = obs.keys
+        step = max(1, SCORE_BYTES // (TEMPORARIES * 4 * queries.shape[1] * queries.shape[2] * keys.shape[2]))
+        return torch.cat([
+            beacon_scores(queries[i:i + step], query_valid[i:i + step], keys[i:i + step], candidates[i:i + step],
+                          obs.scale, aggregate=self.aggregate, score_on=self.score_on, kernel=self.kernel)
+            for i in range(0, len(rows), step)
+        ])
 
     def _rows(self, obs: Observation) -> torch.Tensor:
         return obs.rows if obs.rows is not None else torch.arange(self.spec.batch, device=self.spec.device)

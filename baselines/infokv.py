@@ -33,7 +33,8 @@ shifted by one position, and written with D^l into the kept prompt slots.
 
 Schedule: an interval method. The paper (and RPC) recompresses every `compress_every` (1024)
 generated tokens to a ratio of them; under the harness's cap the cache fills to `budget` and is
-cut to budget - compress_every (R-KV's capped form; a budget at or below the interval shrinks it).
+cut to budget - compress_every (R-KV's capped form; a budget at or below the interval shrinks it,
+and a cut that would keep no more than the window halves the window, both with a warning).
 A prompt longer than the budget is cut at prefill by SnapKV (one selection per layer): E is only
 known after the prompt's forward, when each layer has already stored its prompt (see docs).
 
@@ -58,6 +59,9 @@ LAYER_STATES = ("output", "input")
 # Logits whose top-k one chunk of the prompt's entropy takes at once: a bound on the temporaries,
 # whatever the batch, the prompt length and the vocabulary.
 ENTROPY_ELEMENTS = 1 << 26
+# float32 temporaries of one scoring call (the window queries' logits over the slots): rows in chunks below it.
+SCORE_BYTES = 1 << 30
+TEMPORARIES = 3  # float32 tensors of a logit's size alive at once in `infokv_scores`
 
 
 def topk_entropy(logits: torch.Tensor, top_k: int, chunk_elements: int = ENTROPY_ELEMENTS) -> torch.Tensor:
@@ -245,6 +249,11 @@ class InfoKVPolicy(KVPolicy):
         """`infokv_scores` of the unprotected held slots with the `window` newest queries."""
         queries, _, query_valid = self.history.recent(obs.layer, self.newest(obs), obs.rows, self.recent)
         candidates = obs.valid & ~self.protected(obs)
-        return infokv_scores(queries, query_valid, obs.keys, candidates, obs.state("evolution"), obs.scale,
-                             alpha=self.alpha, kernel=self.kernel, shared=self.shared_selection,
-                             normalize_attention=self.normalize_attention)
+        keys, evolution = obs.keys, obs.state("evolution")
+        step = max(1, SCORE_BYTES // (TEMPORARIES * 4 * queries.shape[1] * queries.shape[2] * keys.shape[2]))
+        return torch.cat([
+            infokv_scores(queries[i:i + step], query_valid[i:i + step], keys[i:i + step], candidates[i:i + step],
+                          evolution[i:i + step], obs.scale, alpha=self.alpha, kernel=self.kernel,
+                          shared=self.shared_selection, normalize_attention=self.normalize_attention)
+            for i in range(0, len(keys), step)
+        ])
