@@ -36,7 +36,8 @@ kept: the last `keep_last` (32) tokens and, with `keep_prompt`, the prompt (assu
 last tokens do not fit in the cut, the prompt's tokens compete by score. Selection per KV head.
 A prompt longer than the budget: SnapKV (the harness's rule; no prefill rule is described).
 
-Fields (`conf/method/beaconkv.yaml`): `n_recent` 16, `n_beacons` 16, `buffer_size` 32,
+Fields (`conf/method/beaconkv.yaml`): `n_recent` 16, `n_beacons` 16 (0: no bank, the paper's
+(32, 0) ablation point, RPC's observation set), `buffer_size` 32,
 `keep_fraction` 0.875, `keep_last` 32 (paper); `keep_prompt` true, `aggregate` max (paper; one
 source reports mean better), `score_on` softmax, `kernel` 7 (assumptions: RPC's average pool).
 
@@ -172,8 +173,8 @@ class BeaconKVPolicy(KVPolicy):
             raise UserError(f"{self.name}: aggregate must be one of {AGGREGATES}, got {self.aggregate!r}")
         if self.score_on not in SCORES_ON:
             raise UserError(f"{self.name}: score_on must be one of {SCORES_ON}, got {self.score_on!r}")
-        if self.n_recent < 0 or self.n_beacons < 1 or self.n_recent + self.n_beacons < 1:
-            raise UserError(f"{self.name}: needs n_recent >= 0 and n_beacons >= 1, got {self.n_recent}, "
+        if self.n_recent < 0 or self.n_beacons < 0 or self.n_recent + self.n_beacons < 1:
+            raise UserError(f"{self.name}: needs n_recent, n_beacons >= 0, not both 0, got {self.n_recent}, "
                             f"{self.n_beacons}")
         if self.buffer_size <= self.n_beacons:
             raise UserError(f"{self.name}: buffer_size ({self.buffer_size}) must exceed n_beacons ({self.n_beacons})")
@@ -192,7 +193,7 @@ class BeaconKVPolicy(KVPolicy):
 
     def query_window(self) -> int:
         # The queries appended to the bank since its last cut are the newest ones: the history holds them.
-        return max(self.n_recent, self.buffer_size - self.n_beacons)
+        return max(self.n_recent, self.buffer_size - self.n_beacons) if self.n_beacons else self.n_recent
 
     def prepare(self, spec: CacheSpec) -> None:
         if spec.rotary is None:
@@ -216,6 +217,8 @@ class BeaconKVPolicy(KVPolicy):
     def store_prompt(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
         """The prompt's slots (the base class), and the bank: FPS over the prompt's queries before RoPE."""
         super().store_prompt(layer, q, k, v, scale)
+        if not self.n_beacons:
+            return
         points = unrotate(q, self.prompt_positions, self.spec.rotary)  # [B, Hq, L, D]
         indices, picked = farthest_point_sampling(points, self.pad, self.n_beacons)
         self.beacons[layer].copy_(points.gather(2, indices[..., None].expand(-1, -1, -1, points.shape[-1])))
@@ -244,7 +247,7 @@ class BeaconKVPolicy(KVPolicy):
         self.appended = [n + 1 for n in self.appended]
         super().after_step(step)
         due = [row for row, n in enumerate(self.appended)
-               if n >= self.buffer_size - self.n_beacons and self.held[row] != IDLE]
+               if n >= self.buffer_size - self.n_beacons and self.held[row] != IDLE and self.n_beacons]
         if due:
             self.merge(due)
 
@@ -282,7 +285,8 @@ class BeaconKVPolicy(KVPolicy):
 
     @torch.no_grad()
     def compress(self, rows: list[int]) -> None:
-        self.merge(rows)  # the paper merges after a compression; here first, so the cut reads the merged bank
+        if self.n_beacons:  # the paper merges after a compression; here first, so the cut reads the merged bank
+            self.merge(rows)
         super().compress(rows)
 
     # ---- the score -------------------------------------------------------------------------------
@@ -304,11 +308,16 @@ class BeaconKVPolicy(KVPolicy):
         queries and the beacons rotated to the newest position."""
         rows = self._rows(obs)
         newest = self.newest(rows)
-        recent, _, recent_valid = self.history.recent(obs.layer, newest, rows, self.n_recent)
-        beacons = self.beacons[obs.layer].index_select(0, rows)
-        beacons = rotate(beacons, newest[:, None].expand(-1, self.n_beacons), self.spec.rotary)
-        queries = torch.cat([recent.float(), beacons], dim=2)
-        query_valid = torch.cat([recent_valid, self.beacon_valid.index_select(0, rows)], dim=-1)
+        queries, query_valid = [], []
+        if self.n_recent:
+            recent, _, recent_valid = self.history.recent(obs.layer, newest, rows, self.n_recent)
+            queries.append(recent.float())
+            query_valid.append(recent_valid)
+        if self.n_beacons:
+            beacons = self.beacons[obs.layer].index_select(0, rows)
+            queries.append(rotate(beacons, newest[:, None].expand(-1, self.n_beacons), self.spec.rotary))
+            query_valid.append(self.beacon_valid.index_select(0, rows))
+        queries, query_valid = torch.cat(queries, dim=2), torch.cat(query_valid, dim=-1)
         candidates = obs.valid & ~self.protected(obs)
         keys = obs.keys
         step = max(1, SCORE_BYTES // (TEMPORARIES * 4 * queries.shape[1] * queries.shape[2] * keys.shape[2]))

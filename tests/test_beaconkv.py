@@ -182,8 +182,9 @@ def test_the_score_rotates_the_beacons_to_the_current_position():
                 assert math.isclose(float(score[row, kv, j]), best, rel_tol=1e-4, abs_tol=1e-6)
 
 
-def test_a_full_row_is_cut_to_seven_eighths_keeping_the_newest():
-    policy = capped(BeaconKVPolicy)(budget=16, **FIELDS)
+@pytest.mark.parametrize("beacons", [3, 0])  # 0: no bank, the recent queries alone (the paper's RPC point)
+def test_a_full_row_is_cut_to_seven_eighths_keeping_the_newest(beacons):
+    policy = capped(BeaconKVPolicy)(budget=16, **{**FIELDS, "n_beacons": beacons})
     assert policy.keep_after == 14
     _, pad, held = drive(policy, steps=30)
     lengths = pad.sum(dim=-1).tolist()
