@@ -73,8 +73,9 @@ def reference_evolution(model, sequence: list[int], top_k: int) -> tuple[torch.T
     return (change + TAU) * drawn, (change + TAU) * own
 
 
+@pytest.mark.parametrize("granularity", ["layer", "kv_head"])
 @pytest.mark.parametrize("budget", [512, 48])
-def test_each_slot_holds_the_entropy_of_the_distribution_its_token_was_drawn_from(budget):
+def test_each_slot_holds_the_entropy_of_the_distribution_its_token_was_drawn_from(budget, granularity):
     model, tokenizer = tiny_model("qwen3")
     with torch.no_grad():  # a hand-set LM head: random weights give near-uniform logits, alike at every position
         model.lm_head.weight.mul_(40.0)
@@ -82,7 +83,7 @@ def test_each_slot_holds_the_entropy_of_the_distribution_its_token_was_drawn_fro
     made = []
 
     def factory():
-        made.append(InfoKVPolicy(budget, top_k=TOP_K, tau=TAU, compress_every=8))
+        made.append(InfoKVPolicy(budget, top_k=TOP_K, tau=TAU, compress_every=8, granularity=granularity))
         return made[-1]
 
     generation = GenerationConfig(max_new_tokens=40, ignore_eos=True)
@@ -92,17 +93,18 @@ def test_each_slot_holds_the_entropy_of_the_distribution_its_token_was_drawn_fro
         # The last generated token was never fed back: the cache holds the prompt and all others.
         expected, unshifted = reference_evolution(model, prompt + result.tokens[row][:-1], TOP_K)
         for layer, slots in enumerate(policy.layers):
-            held = slots.valid[row, 0]
-            if budget == 512:
-                assert slots.positions[row, 0][held].tolist() == list(range(len(prompt) + 39))
-            else:
-                # Once a cut ran, the forward attends to fewer tokens than the reference's: compare the
-                # prompt (attended to in full at prefill), cut at prefill and moved by every compaction.
-                held = held & (slots.positions[row, 0] < len(prompt))
-            positions = slots.positions[row, 0][held]
-            got = slots.state["evolution"][row, 0][held]
-            torch.testing.assert_close(got, expected[layer, positions], rtol=1e-4, atol=1e-5)
-            assert not torch.allclose(got, unshifted[layer, positions], rtol=1e-2, atol=1e-3)
+            for head in range(slots.keys.shape[1]):
+                held = slots.valid[row, head]
+                if budget == 512:
+                    assert slots.positions[row, head][held].tolist() == list(range(len(prompt) + 39))
+                else:
+                    # Once a cut ran, the forward attends to fewer tokens than the reference's: compare the
+                    # prompt (attended to in full at prefill), cut at prefill and moved by every compaction.
+                    held = held & (slots.positions[row, head] < len(prompt))
+                positions = slots.positions[row, head][held]
+                got = slots.state["evolution"][row, head][held]
+                torch.testing.assert_close(got, expected[layer, positions], rtol=1e-4, atol=1e-5)
+                assert not torch.allclose(got, unshifted[layer, positions], rtol=1e-2, atol=1e-3)
 
 
 # ---- alpha = 1 is RPC's attention rule -------------------------------------------------------------
