@@ -4,7 +4,11 @@ Kai, Xiao, Birch and Lin 2026, "Information-Aware KV Cache Compression for Long 
 2606.26875. No code was found and the paper's text was not reachable here: the formulas come from
 a full-text summary (docs/methods.md, "InfoKV", lists what is faithful and what is assumed). The
 attention term is that of RPC (Song et al. 2025, "Reasoning Path Compression", official code
-jiwonsong-dev/ReasoningPathCompression), whose schedule the paper's decode experiments follow.
+jiwonsong-dev/ReasoningPathCompression), whose schedule the paper's decode experiments follow; its
+`rpc/rpc_utils.py` gives the rule followed here: softmax over the generated keys before the window
+(line 112), summed over the window queries (113), averaged over all query heads for
+`aggregation='all'` (115-121), average-pooled over 7 with zero padding (136), top-k (142), the
+prompt and the last R tokens kept (147-154).
 
 Per layer l and held token i, at each compression:
 

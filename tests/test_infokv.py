@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import drive_layer, tiny_model
+from conftest import drive_layer, tiny_model, tiny_spec
 from test_engine import hf_attention
 
 from baselines.infokv import InfoKVPolicy, infokv_scores, representation_change, topk_entropy
-from longflow.config import GenerationConfig
+from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine
 from longflow.errors import UserError
+from longflow.models import load_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*leaves no room:UserWarning")
 
@@ -162,6 +163,31 @@ def test_a_compression_keeps_the_prompt_the_window_and_rpcs_choice():
     expected = rpc_keep(window_queries, all_keys.repeat_interleave(q_heads // kv_heads, dim=0), length, 4, 6)
     assert all_keys.shape[1] == 24
     assert held[after][0][0] == set(range(length)) | set(expected) | set(range(20, 25))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_observing_keeps_the_decode_step_in_its_cuda_graph(compile_step):
+    """The logits and hidden states InfoKV observes, under the captured decode step (and the compiled
+    forward inside it): every step replays, and the tokens and per-slot E are the eager run's."""
+    model, tokenizer = load_model(tiny_spec("qwen3"), torch.device("cuda"))
+    prompts = [[5 + (7 * i + 3 * n) % 300 for i in range(n)] for n in (9, 60)]
+    made = []
+
+    def run(cuda_graph):
+        def factory():
+            made.append(InfoKVPolicy(48, compress_every=8))
+            return made[-1]
+
+        config = EngineConfig(cuda_graph=cuda_graph, compile=compile_step and cuda_graph)
+        engine = Engine(model, factory, [], tokenizer.pad_token_id, config)
+        return engine.generate(prompts, GenerationConfig(max_new_tokens=200, ignore_eos=True), [0, 1]), made[-1]
+
+    (graphed, graphed_policy), (eager, eager_policy) = run(True), run(False)
+    assert graphed.cuda_graph and not eager.cuda_graph
+    assert graphed.tokens == eager.tokens
+    for mine, theirs in zip(graphed_policy.layers, eager_policy.layers, strict=True):
+        torch.testing.assert_close(mine.state["evolution"], theirs.state["evolution"], rtol=1e-3, atol=1e-4)
 
 
 def test_bad_fields_are_user_errors():
