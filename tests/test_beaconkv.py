@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import capped, drive_layer
+from helpers import capped, drive_layer
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 

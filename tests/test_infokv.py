@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import drive_layer, tiny_model, tiny_spec
-from test_engine import hf_attention
+from helpers import drive_layer, hf_attention, tiny_model, tiny_spec
 
 from baselines.infokv import InfoKVPolicy, infokv_scores, representation_change, topk_entropy
 from longflow.config import EngineConfig, GenerationConfig
