@@ -122,16 +122,12 @@ def rpc_scores(
     return pooled.masked_fill(~candidates, float("-inf"))
 
 
-def top_candidates(score: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """`[n, Hkv, S]` scores (-inf = not a candidate), `[n]` counts -> `[n, Hkv, S]` bool: the `counts[r]`
-    best candidates of each row and KV head (fewer where it has fewer)."""
-    most = int(counts.max()) if counts.numel() else 0
+def top_candidates(score: torch.Tensor, count: int) -> torch.Tensor:
+    """`[n, Hkv, S]` scores (-inf = not a candidate) -> `[n, Hkv, S]` bool: the `count` best candidates
+    of each row and KV head (fewer where it has fewer)."""
     chosen = torch.zeros_like(score, dtype=torch.bool)
-    if most == 0:
-        return chosen
-    best = score.topk(min(most, score.shape[-1]), dim=-1).indices  # best first
-    wanted = torch.arange(best.shape[-1], device=score.device) < counts[:, None, None]
-    chosen.scatter_(-1, best, wanted.expand_as(best))
+    if count > 0:
+        chosen.scatter_(-1, score.topk(min(count, score.shape[-1]), dim=-1).indices, True)
     return chosen & (score > float("-inf"))
 
 
@@ -301,8 +297,7 @@ class RPCPolicy(KVPolicy):
     def compress_to(self, rows: list[int], kept: int) -> None:
         """Keeps the protected slots and the `kept` best candidates of `rows`, in every layer."""
         index = torch.tensor(rows, dtype=torch.long, device=self.spec.device)
-        counts = torch.full((len(rows),), kept, dtype=torch.long, device=self.spec.device)
         for layer in range(self.spec.layers):
             obs = Observation(self, layer, rows=index)
-            keep = (self.protected(obs) & obs.valid) | top_candidates(self.score(obs), counts)
+            keep = (self.protected(obs) & obs.valid) | top_candidates(self.score(obs), kept)
             self.slots.compact(layer, index, keep)

@@ -16,7 +16,7 @@ import yaml
 from conftest import drive_layer, method_defaults, policy_of, tiny_model
 
 from baselines.rpc import RPCPolicy, ratio_peak, rpc_scores, selector_weights
-from longflow.config import GenerationConfig
+from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine
 from longflow.errors import UserError
 from longflow.methods import locate
@@ -214,6 +214,24 @@ def test_ratio_schedule_records_its_peak_over_the_budget(qwen3):
     # 59 tokens stored: cuts at 10, 18, 26, ... generated held (2 kept per cut, R = 2)
     assert result.peak_slots == [n + ratio_peak(59, 8, 2, 2) for n in (9, 21)]
     assert min(result.peak_slots) > 16
+
+
+@pytest.mark.parametrize("fields", [dict(budget=24, compress_every=8, window=4),
+                                    dict(budget=24, compress_every=8, window=2, ratio=4, budget_mode="ratio")])
+def test_rows_are_compressed_independently(qwen3, fields):
+    """A row's tokens are the same alone, in a static batch and in continuous batching."""
+    model, tokenizer = qwen3
+    prompts = [[5 + (7 * i + 3 * n) % 300 for i in range(n)] for n in (7, 30, 19)]
+    generation = GenerationConfig(max_new_tokens=48, ignore_eos=True)
+
+    def engine(**config):
+        return Engine(model, lambda: RPCPolicy(**fields), [], tokenizer.pad_token_id, EngineConfig(**config))
+
+    alone = [engine().generate([p], generation, [0]).tokens[0] for p in prompts]
+    assert engine().generate(prompts, generation, [0, 1, 2]).tokens == alone
+    served = engine(batch_size=2, check_every=4, refill_rows=1, prefill_rows=1)
+    finished = {s.index: s.tokens for r in served.serve(prompts, generation, [0, 1, 2]) for s in r.finished}
+    assert [finished[i] for i in range(3)] == alone
 
 
 def test_config_builds_the_policy():
