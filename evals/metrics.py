@@ -56,6 +56,9 @@ def summarize(identity: dict[str, Any], generations: list[dict], batches: list[d
         key: identity[key] for key in ("run_id", "model", "hub_id", "method", "variant", "budget", "generation",
                                        "dataset", "dataset_size")
     }
+    # The budget form of methods that have one (R-KV's cap | target, RPC's cap | ratio): the tables
+    # show a form other than the cap apart, its peak slots above the budget.
+    metrics["budget_mode"] = identity.get("method_params", {}).get("budget_mode")
     complete_items = [item for item, results in by_item.items() if len(results) >= n_samples]
     metrics.update(
         n_items=len(by_item),

@@ -20,7 +20,8 @@ METHOD_NAMES = {"vanilla": "FullKV", "streaming": "StreamingLLM", "h2o": "H2O", 
                 "rkv": "R-KV", "tova": "TOVA", "keydiff": "KeyDiff", "expected_attention": "Expected Attention",
                 "ams_tova": "AMS (TOVA)", "ams_keydiff": "AMS (KeyDiff)",
                 "ams_expected_attention": "AMS (Expected Attention)", "ams_rkv": "AMS (R-KV)",
-                "ams_longflow": "AMS (LongFlow)", "longflow": "LongFlow"}
+                "ams_longflow": "AMS (LongFlow)", "rpc": "RPC", "random_attention": "Random Attention",
+                "longflow": "LongFlow"}
 # conf/model keys -> the names papers use (DeepSeek's distilled models without the "DeepSeek-").
 MODEL_NAMES = {
     "qwen3_4b": "Qwen3-4B", "qwen3_8b": "Qwen3-8B", "r1_distill_llama_8b": "R1-Distill-Llama-8B",
@@ -28,6 +29,7 @@ MODEL_NAMES = {
     "r1_distill_qwen_14b": "R1-Distill-Qwen-14B",
 }
 DEFAULT_VARIANT = "paper"  # a method as its own paper defines it; other variants are named in labels
+CAPPED = "cap"  # a method's `budget_mode` under the hard cap; other forms are named in labels
 
 
 def dataset_name(key: str) -> str:
@@ -45,9 +47,13 @@ def method_rank(method: str) -> int:
     return order.index(method) if method in order else len(order)
 
 
-def method_label(method: str, variant: str) -> str:
+def method_label(method: str, variant: str, budget_mode: str | None = None) -> str:
+    """The display name, with the variant when not the paper's and the budget form when it is not the
+    cap (R-KV's `target`, RPC's `ratio`: runs whose peak may exceed their budget)."""
     name = METHOD_NAMES.get(method, method)
-    return name if variant == DEFAULT_VARIANT else f"{name} ({variant})"
+    marks = [mark for mark, usual in ((variant, DEFAULT_VARIANT), (budget_mode, CAPPED))
+             if isinstance(mark, str) and mark != usual]
+    return f"{name} ({', '.join(marks)})" if marks else name
 
 
 def model_name(key: str) -> str:

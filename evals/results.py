@@ -22,8 +22,8 @@ import pandas as pd
 from evals.table import add_filters, load
 from longflow.errors import UserError, report
 
-RUN_KEYS = ["run_id", "model", "hub_id", "method", "variant", "budget", "generation", "dataset", "dataset_size",
-            "n_planned", "n_items", "n_samples", "complete", "path"]
+RUN_KEYS = ["run_id", "model", "hub_id", "method", "variant", "budget_mode", "budget", "generation", "dataset",
+            "dataset_size", "n_planned", "n_items", "n_samples", "complete", "path"]
 NOT_METRICS = {*RUN_KEYS, "mtime"}
 
 

@@ -139,7 +139,9 @@ def label(runs: pd.DataFrame) -> pd.DataFrame:
                            for column in ("n_items", "n_planned", "dataset_size"))
     runs["finished"] = runs["complete"] | ((planned < size) & (done >= planned))
     runs["model_label"] = runs["model"].map(model_name)
-    runs["method_label"] = [method_label(m, v) for m, v in zip(runs["method"], runs["variant"], strict=True)]
+    modes = runs["budget_mode"] if "budget_mode" in runs else pd.Series(None, index=runs.index, dtype=object)
+    runs["method_label"] = [method_label(m, v, b) for m, v, b in zip(runs["method"], runs["variant"], modes,
+                                                                      strict=True)]
     runs["method_rank"] = runs["method"].map(method_rank)
     runs["budget_label"] = [
         "-" if method == REFERENCE or pd.isna(budget) else str(int(budget))

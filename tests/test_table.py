@@ -290,3 +290,18 @@ def test_latex_is_a_table_with_a_caption(runs, tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:]
     assert (tmp_path / "doc.pdf").stat().st_size > 1000
+
+
+def test_budget_forms_other_than_the_cap_are_rows_of_their_own(tmp_path):
+    """A run of a method's uncapped form (RPC's `ratio`, R-KV's `target`) is its own row, named so,
+    with its peak slots above the budget; runs recorded without a budget form are the cap's."""
+    root = tmp_path / "runs"
+    write_run(root, "tiny_qwen3", "rpc", 64, "gsm8k", 0.5, budget_mode="cap")
+    write_run(root, "tiny_qwen3", "rpc", 64, "gsm8k", 0.75, budget_mode="ratio", peak_kv_slots=300, mtime=1)
+    write_run(root, "tiny_qwen3", "rkv", 64, "gsm8k", 0.25)
+    write_run(root, "tiny_qwen3", "rkv", 64, "gsm8k", 0.125, budget_mode="target", peak_kv_slots=191, mtime=1)
+    accuracy = build_table(collect(root))
+    methods = list(accuracy.values.index.get_level_values("Method"))
+    assert methods == ["R-KV", "R-KV (target)", "RPC", "RPC (ratio)"]
+    peaks = build_table(collect(root), metric="peak_kv_slots").values["GSM8K (1319)"]
+    assert list(peaks) == [64, 191, 64, 300]
