@@ -171,7 +171,8 @@ class CompressKVPolicy(KVPolicy):
         if scores is None or self.budget_scope == "per_layer" or budget > most - ALIGN:
             return [budget] * spec.layers
         high = min(int(self.max_layer_ratio * budget), most)
-        return layer_budgets(scores, budget * spec.layers, min(self.min_layer_budget, high), high)
+        # A budget below the minimum: the minimum is the budget (the total must hold).
+        return layer_budgets(scores, budget * spec.layers, min(self.min_layer_budget, budget, high), high)
 
     def layer_capacities(self, spec: CacheSpec) -> list[int]:
         return list(self.capacities)
