@@ -42,6 +42,7 @@ prompt tokens, D head dim.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,7 @@ def calibrate(cfg: dict[str, Any], out: Path | None, stride: int) -> Path:
                             workers=cfg["grading"]["workers"], timeout=cfg["grading"]["timeout"])
         sequences.append([(prompt, output, grade.correct)
                           for prompt, output, grade in zip(prompts, tokens, grades, strict=True) if output])
+        reasons = Counter(grade.reason for grade in grades)
 
     capture = Capture()
     AttentionInterface.register(ATTENTION, capture)
@@ -220,9 +222,9 @@ def calibrate(cfg: dict[str, Any], out: Path | None, stride: int) -> Path:
                                           for q, k, _, _, scale in map(capture.layers.get, range(layers))]).cpu()
                 correct += 1
         if not correct:
-            raise UserError(f"calibrate: none of the {sum(map(len, sequences))} items was graded correct, so no "
-                            "retrieval succeeded: use more items, a larger generation.max_new_tokens, or a dataset "
-                            "the model solves")
+            raise UserError(f"calibrate: none of the {sum(map(len, sequences))} items was graded correct (last "
+                            f"dataset's reasons: {dict(reasons)}), so no retrieval succeeded: use more items, a larger "
+                            "generation.max_new_tokens, a larger grading.timeout, or a dataset the model solves")
         head_scores = head_sums / correct
         ranking = head_scores.argsort(dim=-1, descending=True, stable=True)[:, :SELECTION_HEADS].to(device)
 
