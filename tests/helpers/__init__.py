@@ -125,11 +125,17 @@ def method_defaults(cls) -> dict:
 
 
 def capped(cls):
-    """`cls` with the budget asserted as a hard cap after every store, attention call and step."""
+    """`cls` with the budget asserted as a hard cap after every store, attention call and step (under
+    `budget_scope: total`, on the layers together: each within its own capacity)."""
 
     class Checked(cls):
         def _check(self, layer):
             held = self.layers[layer].valid.sum(dim=-1)  # [B, Hkv]
+            if self.budget_scope == "total":  # each layer within its capacity, all of them within layers x budget
+                assert int(held.max()) <= self.layers[layer].slots, f"{self.name}: layer {layer} over its capacity"
+                total = sum(slots.valid.sum(dim=-1).amax(dim=-1) for slots in self.layers)  # [B]
+                assert int(total.max()) <= self.budget * len(self.layers), f"{self.name}: over layers x budget"
+                return
             assert int(held.max()) <= self.budget, f"{self.name}: {int(held.max())} slots > budget {self.budget}"
 
         def store(self, layer, k, v):
