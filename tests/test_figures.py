@@ -1,4 +1,4 @@
-"""`evals.figures` on fake run directories: which figures are written (real PNG and PDF files), the
+"""`evals.report.figures` on fake run directories: which figures are written (real PNG and PDF files), the
 panels of the paper's figures, the averages they plot, and the output lengths they read."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pandas as pd
 import pytest
 
-from evals.figures import (
+from evals.report.figures import (
     AVERAGE,
     colors,
     main,
@@ -20,7 +20,7 @@ from evals.figures import (
     prepare,
     with_average,
 )
-from evals.table import collect
+from evals.report.runs import collect
 from longflow.errors import UserError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -106,7 +106,7 @@ def test_budget_grid_has_a_panel_per_dataset_and_the_average(tmp_path, monkeypat
     for method in ("vanilla", "h2o"):
         write_run(root, "tiny_qwen3", method, None if method == "vanilla" else 128, "math500", 0.1)
     figures = []
-    monkeypatch.setattr("evals.figures.save_paper", lambda figure, stem: figures.append(figure) or [stem])
+    monkeypatch.setattr("evals.report.figures.save_paper", lambda figure, stem: figures.append(figure) or [stem])
     plot_budget_grid(prepare(collect(root).query("model == 'tiny_qwen3'")), tmp_path)
     [figure] = figures
     assert [ax.get_title() for ax in figure.axes] == ["AIME24 (30)", "GSM8K (1319)", "MATH-500 (500)", AVERAGE]
@@ -145,7 +145,7 @@ def test_model_sizes(tmp_path, monkeypatch, capsys):
             for dataset in ("gsm8k", "aime24"):
                 write_run(root, model, method, budget, dataset, 0.5)
     figures = []
-    monkeypatch.setattr("evals.figures.save_paper", lambda figure, stem: figures.append(figure) or [stem])
+    monkeypatch.setattr("evals.report.figures.save_paper", lambda figure, stem: figures.append(figure) or [stem])
     plot_model_sizes(collect(root), tmp_path)
     [figure] = figures
     assert [ax.get_title() for ax in figure.axes] == ["AIME24", "GSM8K", AVERAGE]
