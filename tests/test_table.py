@@ -376,3 +376,13 @@ def test_sweep_and_filters(tmp_path, capsys):
     assert len(collect_sweep(relative)) == 2
     assert main(["--sweep", str(tmp_path / "nowhere")]) == 2
     assert "sweep.json does not exist" in capsys.readouterr().err
+
+
+def test_every_run_dirty_is_one_line(tmp_path):
+    root = tmp_path / "runs"
+    for method in ("h2o", "longflow"):
+        run = write_run(root, "m", method, 64, "gsm8k", 0.5)
+        (run / "provenance.json").write_text(json.dumps([{"git_dirty": True}]))
+    table = build_table(collect(root))
+    assert not table.dirty.to_numpy().any()
+    assert table.footnotes == ["every run was made from a checkout with uncommitted changes (provenance.json)"]

@@ -17,10 +17,11 @@ marks the best compressed method within each budget and column, compared only be
 the same items: a cell whose run is unfinished (a dagger, listed in a footnote) is not a candidate,
 nor is FullKV, nor the "Avg." of a row that lacks a column its block has. "Avg." (with two columns
 or more, of different datasets) is the mean over the columns a row has. A cell made from a checkout
-with uncommitted changes (provenance.json's `git_dirty`) carries a double dagger. A column without
-a FullKV run is named in a note. Accuracy is shown in percent with one decimal. `--stderr` adds
-each cell's standard error (`evals.metrics.accuracy_stderr`; for Avg., that of the mean of
-independent datasets, when every cell of the row has one).
+with uncommitted changes (provenance.json's `git_dirty`) carries a double dagger (a line under the
+table says so instead when every run was). A column without a FullKV run is named in a note.
+Accuracy is shown in percent with one decimal. `--stderr` adds each cell's standard error
+(`evals.metrics.accuracy_stderr`; for Avg., that of the mean of independent datasets, when every
+cell of the row has one).
 
 A method variant other than "paper" is part of the method's name ("H2O (lf_repo)"); a generation
 config becomes a row key ("Gen.") only when the selected runs have more than one. Where a method has
@@ -137,7 +138,9 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
     runs, duplicates = keep_newest(runs, row_keys + ["items"])
 
     runs["partial"] = ~runs["finished"]
-    runs["dirty_cell"] = runs["dirty"].eq(True) if "dirty" in runs else False
+    dirty_runs = runs["dirty"].eq(True) if "dirty" in runs else pd.Series(False, index=runs.index)
+    # A mark on every cell tells nothing a line under the table does not: cells are marked when some are.
+    runs["dirty_cell"] = dirty_runs & ~dirty_runs.all()
     order = items_sort_key(runs)
     columns = sorted(order, key=order.get)
     rows = (runs.sort_values(["model_label", "budget_rank", "method_rank", "method", "method_label", "generation"])
@@ -184,9 +187,10 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
         footnotes.append(f"{DAGGER} incomplete: " + "; ".join(cells))
     unclean = runs[runs["dirty_cell"]].sort_values(row_keys + ["items"])
     if not unclean.empty:
-        where = ("every run" if len(unclean) == len(runs)
-                 else "; ".join(" / ".join(str(run[k]) for k in keys + ["items"]) for _, run in unclean.iterrows()))
+        where = "; ".join(" / ".join(str(run[k]) for k in keys + ["items"]) for _, run in unclean.iterrows())
         footnotes.append(f"{DIRTY} made from a checkout with uncommitted changes (provenance.json): {where}")
+    elif dirty_runs.any():
+        footnotes.append("every run was made from a checkout with uncommitted changes (provenance.json)")
 
     notes = []
     if bold.to_numpy().any() or partial.to_numpy().any():
