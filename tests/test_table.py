@@ -359,12 +359,12 @@ def test_sweep_and_filters(tmp_path, capsys):
             write_run(root, "canary", "h2o", 192, "canary", 0.75, n_items=16, planned=16),
             write_run(root, "canary", "rkv", 96, "canary", 0.25, n_items=16, planned=16)]
     write_run(root, "canary", "h2o", 384, "canary", 0.875, n_items=48, planned=48)  # another sweep's
-    sweep = write_sweep(tmp_path / "sweep", [*ours, root / "never_ran"])
+    sweep = write_sweep(tmp_path / "sweep", [*ours, ours[0], root / "never_ran"])  # vanilla: two jobs, one run
     out = tmp_path / "t" / "table"
     assert main(["--sweep", str(sweep), "--out", str(out)]) == 0
     captured = capsys.readouterr()
     assert "never_ran is in the sweep but has no metrics.json" in captured.err
-    assert "384" not in captured.out and "canary (16 of 200)" in captured.out
+    assert "384" not in captured.out and "canary (16 of 200)" in captured.out and "kept the newest" not in captured.out
     assert main(["--runs", str(root), "--out", str(out), "--method", "h2o", "--budget", "96"]) == 0
     printed = capsys.readouterr().out
     rows = [line for line in printed.splitlines() if line.startswith("| canary") or line.startswith("|  |")]

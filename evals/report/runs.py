@@ -94,7 +94,8 @@ def collect(runs_dir: Path | str) -> pd.DataFrame:
 
 
 def sweep_runs(sweep_dir: Path) -> list[Path]:
-    """The run directories a sweep's `sweep.json` lists; UserError when it is missing or malformed."""
+    """The run directories a sweep's `sweep.json` lists, each once; UserError when it is missing or
+    malformed."""
     path = sweep_dir / SWEEP
     try:
         sweep = json.loads(path.read_text(encoding="utf-8"))
@@ -105,7 +106,8 @@ def sweep_runs(sweep_dir: Path) -> list[Path]:
     runs = sweep.get("runs") if isinstance(sweep, dict) else None
     if not isinstance(runs, list) or not all(isinstance(run, str) for run in runs):
         raise UserError(f"{path} has no list of run directories under \"runs\"")
-    return [Path(run) if Path(run).is_absolute() or Path(run).exists() else sweep_dir / run for run in runs]
+    paths = [Path(run) if Path(run).is_absolute() or Path(run).exists() else sweep_dir / run for run in runs]
+    return list(dict.fromkeys(paths))  # jobs that share a run (vanilla at several budgets) list it once each
 
 
 def collect_sweep(sweep_dir: Path | str) -> pd.DataFrame:

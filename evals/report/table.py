@@ -178,14 +178,15 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
 
     keys = row_keys[1:] if runs["model_label"].nunique() == 1 else row_keys
     footnotes = []
-    unfinished = runs[runs["partial"]].sort_values(row_keys + ["items"])
+    order_keys = ["model_label", "budget_rank", "method_rank", "method_label", "generation", "items"]
+    unfinished = runs[runs["partial"]].sort_values(order_keys)
     if not unfinished.empty:
         cells = [" / ".join(str(run[k]) for k in keys + ["items"]) + ": "
                  + f"{'?' if pd.isna(run['n_items']) else int(run['n_items'])} of "
                  + f"{'?' if pd.isna(run['n_planned']) else int(run['n_planned'])} items"
                  for _, run in unfinished.iterrows()]
         footnotes.append(f"{DAGGER} incomplete: " + "; ".join(cells))
-    unclean = runs[runs["dirty_cell"]].sort_values(row_keys + ["items"])
+    unclean = runs[runs["dirty_cell"]].sort_values(order_keys)
     if not unclean.empty:
         where = "; ".join(" / ".join(str(run[k]) for k in keys + ["items"]) for _, run in unclean.iterrows())
         footnotes.append(f"{DIRTY} made from a checkout with uncommitted changes (provenance.json): {where}")
