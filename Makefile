@@ -47,46 +47,57 @@ test: $(ENV)  ## the whole suite (CPU; Triton kernels through its interpreter; G
 test-fast: $(ENV)  ## without the end-to-end runs marked slow
 	$(PY) -m pytest -q -m "not slow"
 
+# The demo writes only into $(DEMO) (git-ignored); results/demo/ holds the committed reference its
+# last step compares it with (tests/test_demo.py).
+DEMO := build/demo
+REPORT := $(PY) -m evals.report
 demo: $(ENV)  ## the canary model on 16 canary items, CPU: every method at three KV budgets, fidelity at the smallest; tables, plots
-	$(PY) -m evals.run -m experiment=demo
-	$(PY) -m evals.run -m experiment=demo budget=96 fidelity=true method=streaming,h2o,vatp,rkv,longflow
-	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table
-	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_agreement --metric fidelity.agreement
-	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_kv_slots --metric peak_kv_slots
-	$(PY) -m evals.table --runs results/demo/runs --out results/demo/table_tokens_per_s --metric tokens_per_second
-	$(PY) -m evals.figures --runs results/demo/runs --out results/demo
-	$(PY) -m evals.results --runs results/demo/runs --out results/demo/results.csv
+	$(PY) -m evals.run -m experiment=demo results_dir=$(DEMO)/runs
+	$(PY) -m evals.run -m experiment=demo budget=96 fidelity=true method=streaming,h2o,vatp,rkv,longflow \
+		results_dir=$(DEMO)/runs
+	$(REPORT).table --runs $(DEMO)/runs --out $(DEMO)/table --stderr
+	$(REPORT).table --runs $(DEMO)/runs --out $(DEMO)/table_agreement --metric fidelity.agreement --budget 96
+	$(REPORT).table --runs $(DEMO)/runs --out $(DEMO)/table_kv_slots --metric peak_kv_slots
+	$(REPORT).table --runs $(DEMO)/runs --out $(DEMO)/table_tokens_per_s --metric tokens_per_second
+	$(REPORT).figures --runs $(DEMO)/runs --out $(DEMO)
+	$(REPORT).results --runs $(DEMO)/runs --out $(DEMO)/results.csv
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_demo.py -k fresh_demo  # the tables above against results/demo/
 
-DEMO_SWEEP := results/demo/sweep
+DEMO_SWEEP := build/demo_sweep
 demo-sweep: $(ENV)  ## the paper's figure layouts on the demo: two tiny models, every method at two budgets
 	$(PY) -m evals.run -m experiment=demo model=tiny_qwen3,tiny_llama method=vanilla,streaming,h2o,vatp,rkv,longflow \
 		budget=48,96 limit=3 results_dir=$(DEMO_SWEEP)/runs
-	$(PY) -m evals.table --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)/table --stderr
-	$(PY) -m evals.figures --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)
-	$(PY) -m evals.figures --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP) --only sizes --budget 96
-	$(PY) -m evals.results --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)/results.csv
+	$(REPORT).table --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)/table --stderr
+	$(REPORT).figures --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)
+	$(REPORT).figures --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP) --only sizes --budget 96
+	$(REPORT).results --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)/results.csv
 
 table1: $(ENV)  ## the paper's Table 1: R1-Distill-Llama-8B, budget 2400, every method, eight datasets (GPU + hub)
 	$(PY) -m evals.run -m experiment=table1 method.variant=$(VARIANT) results_dir=$(RUNS) $(LAUNCH) $(ARGS)
-	$(PY) -m evals.table --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
-	$(PY) -m evals.figures --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
-	$(PY) -m evals.results --runs $(RUNS) --out results/table1_results.csv --model r1_distill_llama_8b \
+	$(REPORT).table --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
+	$(REPORT).figures --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
+	$(REPORT).results --runs $(RUNS) --out results/table1_results.csv --model r1_distill_llama_8b \
 		--generation lf_repo
 
-table: $(ENV)  ## a table of whatever runs exist
-	$(PY) -m evals.table --runs $(RUNS) --out results/table
+# `make table` and `make figures` report on every run under RUNS, or with SWEEP=DIR exactly one sweep's
+# runs (DIR/sweep.json); FILTERS narrows them, e.g. FILTERS="--method h2o --budget 96".
+SWEEP ?=
+FILTERS ?=
+SOURCE = $(if $(SWEEP),--sweep $(SWEEP),--runs $(RUNS)) $(FILTERS)
+table: $(ENV)  ## a table of whatever runs exist (SWEEP=DIR: of one sweep; FILTERS="--method h2o ...")
+	$(REPORT).table $(SOURCE) --out results/table
 
-figures: $(ENV)  ## budget-sweep and output-length figures of whatever runs exist
-	$(PY) -m evals.figures --runs $(RUNS) --out results
+figures: $(ENV)  ## budget-sweep and output-length figures of whatever runs exist (SWEEP=, FILTERS= as for table)
+	$(REPORT).figures $(SOURCE) --out results
 
 # The paper's Figure 4 from whatever runs exist: accuracy across model sizes, at one KV budget (BUDGET=N
 # when the runs have several).
 BUDGET ?=
 fig4: $(ENV)
-	$(PY) -m evals.figures --runs $(RUNS) --out results/fig4 --only sizes $(if $(BUDGET),--budget $(BUDGET))
+	$(REPORT).figures --runs $(RUNS) --out results/fig4 --only sizes $(if $(BUDGET),--budget $(BUDGET))
 
 results: $(ENV)  ## every run's metrics in one long-format CSV (one row per run x metric)
-	$(PY) -m evals.results --runs $(RUNS) --out results/results.csv
+	$(REPORT).results --runs $(RUNS) --out results/results.csv
 
 fig1: $(ENV)  ## decode-attention microbenchmark (the paper's Figure 1); needs a CUDA GPU
 	$(PY) -m evals.bench.attention --out results
@@ -98,4 +109,4 @@ lint: $(ENV)
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf $(VENV) results/demo/runs $(DEMO_SWEEP)/runs .pytest_cache
+	rm -rf $(VENV) $(DEMO) $(DEMO_SWEEP) .pytest_cache

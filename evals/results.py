@@ -1,61 +1,10 @@
-"""Every run in one long-format CSV, one row per run and metric, for your own analysis.
+"""`evals.report.results` under its old name, kept for one release: `python -m evals.results` runs it and
+`import evals.results` is that module."""
 
-    python -m evals.results [--runs results/runs] [--out results/results.csv] [--model M ...]
-                            [--dataset D ...] [--generation G]
-
-Columns: the run's keys (`RUN_KEYS`: run_id, model, method, variant, budget, generation, dataset,
-item counts, complete, path), then `metric`, a numeric metrics.json key with nested keys joined by
-dots (accuracy, accuracy_stderr, pass_at_k.4, tokens_per_second, step_latency_ms.p50,
-finish_reasons.length, grade_reasons.truncated, ...), and `value`. Runs are read as for
-`evals.table` (`collect`, the same filters), every run kept (reruns and duplicates included: `run_id`
-and `path` tell them apart). In pandas: `pd.read_csv(path).pivot_table(index=[...], columns="metric")`.
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
-from pathlib import Path
 
-import pandas as pd
-
-from evals.table import add_filters, load
-from longflow.errors import UserError, report
-
-RUN_KEYS = ["run_id", "model", "hub_id", "method", "variant", "budget_mode", "budget", "generation", "dataset",
-            "dataset_size", "n_planned", "n_items", "n_samples", "complete", "path"]
-NOT_METRICS = {*RUN_KEYS, "mtime"}
-
-
-def long_format(runs: pd.DataFrame) -> pd.DataFrame:
-    """`collect`'s frame as one row per run and numeric metric (booleans and text are not metrics);
-    missing values dropped. Sorted by run keys, then metric."""
-    if runs.empty:
-        raise UserError("no runs to write")
-    keys = [key for key in RUN_KEYS if key in runs]
-    metrics = [column for column in runs.columns if column not in NOT_METRICS
-               and pd.api.types.is_numeric_dtype(runs[column]) and not pd.api.types.is_bool_dtype(runs[column])]
-    long = runs.melt(id_vars=keys, value_vars=metrics, var_name="metric", value_name="value")
-    long = long.dropna(subset=["value"])
-    long["value"] = long["value"].astype(float)
-    return long.sort_values(["model", "method", "variant", "budget", "generation", "dataset", "run_id", "metric"],
-                            na_position="first", kind="stable").reset_index(drop=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m evals.results", description=__doc__.splitlines()[0])
-    add_filters(parser)
-    parser.add_argument("--out", type=Path, default=Path("results/results.csv"), help="the CSV file to write")
-    args = parser.parse_args(argv)
-    try:
-        long = long_format(load(args))
-    except UserError as error:
-        return report(error)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    long.to_csv(args.out, index=False)
-    print(f"wrote {args.out}: {len(long)} rows, {long['run_id'].nunique()} runs, {long['metric'].nunique()} metrics")
-    return 0
-
+from evals.report import results
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(results.main())
+sys.modules[__name__] = results

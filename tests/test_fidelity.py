@@ -18,10 +18,11 @@ from transformers import RepetitionPenaltyLogitsProcessor
 
 from baselines.streaming import StreamingPolicy
 from baselines.vanilla import VanillaPolicy
-from evals.figures import main as figures_main
-from evals.figures import plot_fidelity
 from evals.metrics import summarize, summarize_fidelity, trailing_mean
-from evals.table import build_table, collect
+from evals.report.figures import main as figures_main
+from evals.report.figures import plot_fidelity
+from evals.report.runs import collect
+from evals.report.table import build_table
 from longflow.config import GenerationConfig
 from longflow.engine import Engine
 from longflow.errors import UserError

@@ -1,4 +1,4 @@
-"""`evals.figures` on fake run directories: which figures are written (real PNG and PDF files), the
+"""`evals.report.figures` on fake run directories: which figures are written (real PNG and PDF files), the
 panels of the paper's figures, the averages they plot, and the output lengths they read."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import json
 
 import pandas as pd
 import pytest
+from matplotlib.container import ErrorbarContainer
 
-from evals.figures import (
+from evals.report.figures import (
     AVERAGE,
     colors,
     main,
@@ -20,7 +21,7 @@ from evals.figures import (
     prepare,
     with_average,
 )
-from evals.table import collect
+from evals.report.runs import collect
 from longflow.errors import UserError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -28,10 +29,10 @@ PDF_MAGIC = b"%PDF-"
 
 
 def write_run(root, model, method, budget, dataset, accuracy, *, complete=True, variant="paper",
-              generation="greedy"):
+              generation="greedy", tag=""):
     size = {"gsm8k": 1319, "aime24": 30, "math500": 500}[dataset]
-    tag = "full" if budget is None else f"b{budget}"
-    run_id = f"{model}__{method}__{tag}__{generation}__{dataset}__{variant}"
+    budget_tag = "full" if budget is None else f"b{budget}"
+    run_id = f"{model}__{method}__{budget_tag}__{generation}__{dataset}__{variant}{tag}"
     metrics = {
         "run_id": run_id, "model": model, "method": method, "variant": variant, "budget": budget,
         "generation": generation, "dataset": dataset, "dataset_size": size,
@@ -106,7 +107,7 @@ def test_budget_grid_has_a_panel_per_dataset_and_the_average(tmp_path, monkeypat
     for method in ("vanilla", "h2o"):
         write_run(root, "tiny_qwen3", method, None if method == "vanilla" else 128, "math500", 0.1)
     figures = []
-    monkeypatch.setattr("evals.figures.save_paper", lambda figure, stem: figures.append(figure) or [stem])
+    monkeypatch.setattr("evals.report.figures.save_paper", lambda figure, stem: figures.append(figure) or [stem])
     plot_budget_grid(prepare(collect(root).query("model == 'tiny_qwen3'")), tmp_path)
     [figure] = figures
     assert [ax.get_title() for ax in figure.axes] == ["AIME24 (30)", "GSM8K (1319)", "MATH-500 (500)", AVERAGE]
@@ -115,12 +116,15 @@ def test_budget_grid_has_a_panel_per_dataset_and_the_average(tmp_path, monkeypat
 
 def test_average_is_over_every_dataset():
     runs = pd.DataFrame({"series": ["A", "A", "B", "B", "C"], "budget_label": ["64"] * 5,
-                         "dataset_label": ["x", "y", "x", "y", "x"], "accuracy": [10.0, 30.0, 50.0, 70.0, 90.0],
+                         "items": ["x", "y", "x", "y", "x"], "accuracy": [10.0, 30.0, 50.0, 70.0, 90.0],
+                         "accuracy_se": [3.0, 4.0, 1.0, float("nan"), 1.0],
                          "complete": [True, True, True, False, True], "method": ["a", "a", "b", "b", "c"],
                          "budget": [64] * 5})
-    average = with_average(runs, ["series", "budget_label"]).query(f"dataset_label == '{AVERAGE}'")
-    assert dict(zip(average["series"], average["accuracy"], strict=True)) == {"A": 20.0, "B": 60.0}  # C lacks y
-    assert average.set_index("series")["complete"].to_dict() == {"A": True, "B": False}
+    average = with_average(runs, ["series", "budget_label"]).query(f"items == '{AVERAGE}'").set_index("series")
+    assert average["accuracy"].to_dict() == {"A": 20.0, "B": 60.0}  # C lacks y
+    assert average["complete"].to_dict() == {"A": True, "B": False}
+    assert average.loc["A", "accuracy_se"] == pytest.approx(2.5)  # sqrt(3^2 + 4^2) / 2
+    assert pd.isna(average.loc["B", "accuracy_se"])  # one dataset without one: none for the mean
 
 
 def test_output_lengths(tmp_path, capsys):
@@ -145,10 +149,10 @@ def test_model_sizes(tmp_path, monkeypatch, capsys):
             for dataset in ("gsm8k", "aime24"):
                 write_run(root, model, method, budget, dataset, 0.5)
     figures = []
-    monkeypatch.setattr("evals.figures.save_paper", lambda figure, stem: figures.append(figure) or [stem])
+    monkeypatch.setattr("evals.report.figures.save_paper", lambda figure, stem: figures.append(figure) or [stem])
     plot_model_sizes(collect(root), tmp_path)
     [figure] = figures
-    assert [ax.get_title() for ax in figure.axes] == ["AIME24", "GSM8K", AVERAGE]
+    assert [ax.get_title() for ax in figure.axes] == ["AIME24 (30)", "GSM8K (1319)", AVERAGE]
     assert [t.get_text() for t in figure.axes[0].get_xticklabels()] == [
         "R1-Distill-Qwen-1.5B", "R1-Distill-Llama-8B", "R1-Distill-Qwen-14B"]  # smallest first
     write_run(root, "r1_distill_qwen_14b", "h2o", 512, "gsm8k", 0.5)
@@ -167,3 +171,62 @@ def test_every_series_has_its_own_colour(methods):
                          "series": ["FullKV"] + [f"M{i}" for i in range(methods)]})
     palette = colors(runs)
     assert len(set(palette.values())) == methods + 1
+
+
+def canary_run(root, method, budget, accuracy, items, *, mtime=None):
+    """A canary run of the first `items` of the 200-item split, its items.json written."""
+    run = write_run(root, "canary", method, budget, "gsm8k", accuracy, tag=f"{items}{mtime or ''}")
+    metrics = json.loads((run / "metrics.json").read_text())
+    metrics.update(dataset="canary", dataset_size=200, n_items=items, complete=False)
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    (run / "items.json").write_text(json.dumps([str(i) for i in range(items)]))
+    return run
+
+
+def drawn(monkeypatch):
+    """The figures drawn, in order, instead of their files."""
+    figures = []
+    monkeypatch.setattr("evals.report.figures.save", lambda figure, path: figures.append(figure) or path)
+    monkeypatch.setattr("evals.report.figures.save_paper", lambda figure, stem: figures.append(figure) or [stem])
+    return figures
+
+
+def test_figures_count_what_was_run(tmp_path, monkeypatch):
+    """Issue 28's traps: runs of 16 and of 8 canary items are separate panels titled with the items
+    run; every accuracy has an error bar; compared panels share a y axis; one legend per figure; no
+    "Average" of one dataset; a panel without a FullKV run says so."""
+    root = tmp_path / "runs"
+    canary_run(root, "vanilla", None, 1.0, 16)
+    for budget, accuracy in ((96, 0.25), (192, 0.5)):
+        canary_run(root, "h2o", budget, accuracy, 16)
+        canary_run(root, "longflow", budget, accuracy / 2, 16)
+        canary_run(root, "h2o", budget, accuracy, 8)
+    figures = drawn(monkeypatch)
+    plot_budget_sweep(collect(root), tmp_path)
+    by_budget, by_method, grid, _ = figures
+    assert [ax.get_title() for ax in by_budget.axes] == ["canary: canary (8 of 200)", "canary: canary (16 of 200)"]
+    assert [ax.get_title() for ax in grid.axes] == ["canary (8 of 200)", "canary (16 of 200)"]  # no Average
+    assert by_method._suptitle is None and [ax.get_title() for ax in by_method.axes if ax.get_visible()] == [
+        "H2O: canary, canary (8 of 200)", "LongFlow: canary, canary (8 of 200)",
+        "H2O: canary, canary (16 of 200)", "LongFlow: canary, canary (16 of 200)"]
+    for figure in (by_budget, by_method, grid):
+        assert len(figure.legends) == 1 and not any(ax.get_legend() for ax in figure.axes)
+        first, *others = [ax for ax in figure.axes if ax.get_visible()]
+        assert all(first.get_shared_y_axes().joined(first, ax) for ax in others)
+    eight, sixteen = by_budget.axes
+    [h2o] = [c for c in sixteen.containers if isinstance(c, ErrorbarContainer) and c.get_label() == "H2O"]
+    _, caps, (bars,) = h2o.lines
+    # Binomial standard errors of 4 and 8 correct of 16, in percent, around the points.
+    lengths = sorted(float(segment[1][1] - segment[0][1]) / 2 for segment in bars.get_segments())
+    assert lengths == pytest.approx([100 * (0.25 * 0.75 / 16) ** 0.5, 100 * (0.5 * 0.5 / 16) ** 0.5])
+    assert [t.get_text() for t in eight.texts] == ["no FullKV run"] and not sixteen.texts
+    legend = [t.get_text() for t in by_method.legends[0].get_texts()]
+    assert legend == ["FullKV", "±1 standard error"]  # each panel's title names its method
+
+
+def test_average_panel_needs_two_datasets(tmp_path, monkeypatch):
+    root = sweep(tmp_path / "runs", [128, 256])
+    figures = drawn(monkeypatch)
+    plot_budget_grid(prepare(collect(root).query("model == 'tiny_qwen3' and dataset == 'gsm8k'")), tmp_path)
+    [figure] = figures
+    assert [ax.get_title() for ax in figure.axes] == ["GSM8K (1319)"]

@@ -1,4 +1,4 @@
-"""`evals.results`: every run's metrics in one long-format CSV, checked against each run's metrics.json."""
+"""`evals.report.results`: every run's metrics in one long-format CSV, checked against each run's metrics.json."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pandas as pd
 
-from evals.results import main
+from evals.report.results import main
 from tests.test_table import write_run
 
 

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from evals.report.runs import collect
+from evals.report.table import build_table
 from evals.shards import Shard
 from evals.store import GENERATIONS, RunDir, lock_run, run_name
-from evals.table import build_table, collect
 from longflow.errors import UserError
 from tests.helpers.runs import BASE, REPO, records, run_cli, run_dirs
 

@@ -1,4 +1,4 @@
-"""`evals.table` on fake run directories: values, Avg., rows by budget, bold within a budget, item counts,
+"""`evals.report.table` on fake run directories: values, Avg., rows by budget, bold within a budget, item counts,
 partial marks, standard errors, outputs (the LaTeX compiled when a LaTeX engine is installed)."""
 
 from __future__ import annotations
@@ -7,14 +7,15 @@ import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from evals.table import (
+from evals.report.runs import collect, collect_sweep
+from evals.report.table import (
     best_in_group,
     build_table,
-    collect,
     main,
     render_latex,
     render_markdown,
@@ -23,7 +24,7 @@ from evals.table import (
 )
 from longflow.errors import UserError
 
-SIZES = {"gsm8k": 1319, "math500": 500, "aime24": 30, "demo": 8}
+SIZES = {"gsm8k": 1319, "math500": 500, "aime24": 30, "demo": 8, "canary": 200}
 
 
 def write_run(root, model, method, budget, dataset, accuracy, *, variant="paper", generation="greedy",
@@ -114,17 +115,19 @@ def test_table_layout_values_and_bold(runs):
     assert any("2 runs, kept the newest" in note for note in table.notes)
 
     bold_cells = {(model, method, column) for (model, _, method, column), b in bold.stack().items() if b}
+    # Only cells over the same items compete: LongFlow's MATH-500 run stopped at 4 of 500 items, so
+    # H2O has no rival there; an Avg. over fewer datasets (R-KV's, StreamingLLM's) is another mean.
     assert bold_cells == {
-        ("tiny_llama", "LongFlow", "GSM8K (1319)"), ("tiny_llama", "LongFlow", "Avg."),
+        ("tiny_llama", "LongFlow", "GSM8K (1319)"),
         ("tiny_qwen3", "R-KV", "GSM8K (1319)"), ("tiny_qwen3", "LongFlow", "GSM8K (1319)"),  # a tie
-        ("tiny_qwen3", "H2O", "MATH-500 (500)"), ("tiny_qwen3", "R-KV", "Avg."),
     }
+    assert any(note.startswith("bold: the best compressed method") for note in table.notes)
     # FullKV is the reference, never bold, though it beats every method of tiny_qwen3 on GSM8K.
     assert not bold.xs("FullKV", level="Method").to_numpy().any()
     assert table.partial.loc[("tiny_qwen3", "64", "LongFlow"), "MATH-500 (500)"]
     assert table.partial.loc[("tiny_qwen3", "64", "LongFlow"), "Avg."]
     assert table.partial.to_numpy().sum() == 2
-    assert table.footnotes == ["† incomplete: tiny_qwen3 / 64 / LongFlow / MATH-500: 4 of 500 items"]
+    assert table.footnotes == ["† incomplete: tiny_qwen3 / 64 / LongFlow / MATH-500 (500): 4 of 500 items"]
 
 
 def test_bold_rules():
@@ -133,7 +136,7 @@ def test_bold_rules():
          ("n", "-", "FullKV"), ("n", "64", "H2O")], names=["Model", "Budget", "Method"])
     values = pd.DataFrame({"tie": [9.0, 1.0, 1.0, 1.0, 9.0, 1.0], "ms": [1.0, 3.04, 4.0, 3.01, 2.0, 5.0]},
                           index=index)
-    candidate = [False, True, True, True, False, True]
+    candidate = pd.DataFrame({column: [False, True, True, True, False, True] for column in values}, index=index)
     bold = best_in_group(values, candidate, decimals=1, lower=True)
     assert not bold["tie"].any()  # all candidates tie: nothing stands out; model n has one candidate
     assert bold["ms"].tolist() == [False, True, False, True, False, False]  # 3.0 and 3.0 as shown
@@ -158,23 +161,24 @@ def test_bold_within_each_budget(tmp_path):
     bold = table.bold["GSM8K (1319)"]
     assert list(bold[bold].index.get_level_values("Method")) == ["LongFlow", "H2O"]  # one per budget, no FullKV
     md = render_markdown(table)
-    assert "| R1-Distill-Llama-8B | - | FullKV | 90.0 | 90.0 |" in md
-    assert "|  | 512 | H2O | **75.0** | **75.0** |" in md and "|  |  | R-KV | 60.0 | 60.0 |" in md
+    assert "| R1-Distill-Llama-8B | - | FullKV | 90.0 |" in md  # one column: no Avg. repeating it
+    assert "|  | 512 | H2O | **75.0** |" in md and "|  |  | R-KV | 60.0 |" in md
 
 
 def test_header_counts_the_items_run(tmp_path):
-    """A limited sweep: the header says how many items were run, a run killed short of them is
-    marked, and a note says the column is a subset of its benchmark."""
+    """A limited sweep: the header says how many items were run of how many, a run killed short of
+    them is marked and not compared, and a note says the column is a subset of its benchmark."""
     root = tmp_path / "runs"
     write_run(root, "m", "vanilla", None, "gsm8k", 0.5, n_items=8, planned=8)
     write_run(root, "m", "h2o", 64, "gsm8k", 0.25, n_items=8, planned=8)
     write_run(root, "m", "longflow", 64, "gsm8k", 0.4, n_items=5, planned=8)  # killed at 5
     write_run(root, "m", "h2o", 64, "math500", 0.5)  # complete, no items.json: the whole benchmark
     table = build_table(collect(root))
-    assert list(table.values.columns) == ["GSM8K (8)", "MATH-500 (500)", "Avg."]
-    assert table.partial["GSM8K (8)"].tolist() == [False, False, True]
-    assert table.footnotes == ["† incomplete: 64 / LongFlow / GSM8K: 5 of 8 items"]  # one model: not named
-    assert table.notes[0] == "columns of fewer items than their benchmark has (its first items): GSM8K 8 of 1319"
+    assert list(table.values.columns) == ["GSM8K (8 of 1319)", "MATH-500 (500)", "Avg."]
+    assert table.partial["GSM8K (8 of 1319)"].tolist() == [False, False, True]
+    assert not table.bold.to_numpy().any()  # H2O's 25.0 has no finished rival over the same 8 items
+    assert table.footnotes == ["† incomplete: 64 / LongFlow / GSM8K (8 of 1319): 5 of 8 items"]  # one model
+    assert "a column of N of M items holds the first N of its benchmark: GSM8K (8 of 1319)" in table.notes
 
 
 def test_stderr(tmp_path):
@@ -191,7 +195,7 @@ def test_stderr(tmp_path):
     assert table.stderr.loc[("m", "64", "H2O (lf_repo)"), "Avg."] == pytest.approx((2.0**2 + 6.0**2) ** 0.5 / 2)
     assert table.stderr.loc[("m", "64", "Δ H2O (paper − lf_repo)")].isna().all()
     md = render_markdown(table)
-    assert "| m | 64 | H2O | 50.0 | **25.0** ± 3.0 | **50.0** ± 4.0 | **41.7** |" in md
+    assert "| m | 64 | H2O | 50.0 | **25.0** ± 3.0 | **50.0** ± 4.0 | 41.7 |" in md  # lf_repo's Avg. lacks AIME24
     assert r"{\scriptsize $\pm$3.0}" in render_latex(table)
     csv = table_csv(table)
     assert csv["GSM8K (1319) SE"].tolist()[0] == pytest.approx(3.0)
@@ -207,9 +211,9 @@ def test_markdown_marks(runs):
                         "| Avg. |")
     assert lines[1] == "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"
     assert lines[2] == "| tiny_llama | - | FullKV | - | 100.0 | - | - | 100.0 |"
-    assert "|  | 64 | H2O | - | 25.0 | **50.0** | - | 37.5 |" in md  # model shown once, budget once per block
+    assert "|  | 64 | H2O | - | 25.0 | 50.0 | - | 37.5 |" in md  # model shown once, budget once per block
     assert "|  |  | LongFlow | - | **50.0** | 25.0† | - | 37.5† |" in md
-    assert "† incomplete: tiny_qwen3 / 64 / LongFlow / MATH-500: 4 of 500 items" in md
+    assert "† incomplete: tiny_qwen3 / 64 / LongFlow / MATH-500 (500): 4 of 500 items" in md
     assert "|  |  | Δ H2O (paper − lf_repo) | - | +12.5 | - | - | +12.5 |" in md
 
 
@@ -248,7 +252,7 @@ def test_cli(runs, tmp_path, capsys):
     out = tmp_path / "t" / "table1"
     assert main(["--runs", str(runs), "--out", str(out), "--model", "tiny_qwen3", "--dataset", "GSM8K"]) == 0
     printed = capsys.readouterr().out
-    assert "| Model | Budget | Method | GSM8K (1319) | Avg. |" in printed and "tiny_llama" not in printed
+    assert "| Model | Budget | Method | GSM8K (1319) |" in printed and "tiny_llama" not in printed
     assert out.with_name("table1.csv").exists()
 
 
@@ -305,3 +309,95 @@ def test_budget_forms_other_than_the_cap_are_rows_of_their_own(tmp_path):
     assert methods == ["R-KV", "R-KV (target)", "RPC", "RPC (ratio)"]
     peaks = build_table(collect(root), metric="peak_kv_slots").values["GSM8K (1319)"]
     assert list(peaks) == [64, 191, 64, 300]
+
+
+def test_runs_of_other_limits_are_other_columns(tmp_path):
+    """Issue 28's trap: runs of 8, 16 and 48 canary items in one folder are three columns, each over
+    its own items; no cell is bolded against a cell over other items."""
+    root = tmp_path / "runs"
+    write_run(root, "canary", "vanilla", None, "canary", 1.0, n_items=48, planned=48)
+    write_run(root, "canary", "h2o", 96, "canary", 0.5, n_items=8, planned=8)
+    write_run(root, "canary", "rkv", 96, "canary", 0.25, n_items=16, planned=16)
+    write_run(root, "canary", "longflow", 96, "canary", 0.125, n_items=48, planned=48)
+    write_run(root, "canary", "rkv", 96, "canary", 0.375, n_items=48, planned=48, mtime=2_000_000)
+    table = build_table(collect(root))
+    assert list(table.values.columns) == ["canary (8 of 200)", "canary (16 of 200)", "canary (48 of 200)"]
+    bold = table.bold
+    assert bold.sum().sum() == 1 and bold.loc[("canary", "96", "R-KV"), "canary (48 of 200)"]
+    assert "no Avg.: the columns hold one dataset over different item sets" in table.notes
+    assert "no FullKV run of canary over canary (16 of 200), canary (8 of 200): no full-cache reference there" \
+        in table.notes
+
+
+def test_same_count_other_items_are_other_columns(tmp_path):
+    """Two runs of 16 items that are not the same 16 (another generator setting) do not share a column."""
+    root = tmp_path / "runs"
+    first = write_run(root, "canary", "h2o", 96, "canary", 0.5, n_items=16, planned=16)
+    other = write_run(root, "canary", "rkv", 96, "canary", 0.25, n_items=16, planned=16)
+    (other / "items.json").write_text(json.dumps([f"x{i}" for i in range(16)]))
+    columns = list(build_table(collect(root)).values.columns)
+    assert len(columns) == 2 and all(c.startswith("canary (16 of 200, items ") for c in columns)
+    assert first.exists()
+
+
+def test_dirty_runs_are_marked(tmp_path):
+    root = tmp_path / "runs"
+    clean = write_run(root, "m", "h2o", 64, "gsm8k", 0.25)
+    dirty = write_run(root, "m", "longflow", 64, "gsm8k", 0.5)
+    (clean / "provenance.json").write_text(json.dumps([{"git_commit": "a", "git_dirty": False}]))
+    (dirty / "provenance.json").write_text(json.dumps([{"git_dirty": False}, {"git_dirty": True}]))  # resumed dirty
+    write_run(root, "m", "rkv", 64, "gsm8k", 0.125)  # no provenance.json: not marked
+    table = build_table(collect(root))
+    assert table.dirty["GSM8K (1319)"].tolist() == [False, False, True]  # H2O, R-KV, LongFlow
+    md = render_markdown(table)
+    assert "| **50.0**‡ |" in md
+    assert "‡ made from a checkout with uncommitted changes (provenance.json): 64 / LongFlow / GSM8K (1319)" in md
+    assert table_csv(table)["Dirty"].tolist() == ["", "", "GSM8K (1319)"]
+    assert r"\textbf{50.0}$^\ddagger$" in render_latex(table)
+
+
+def write_sweep(folder, runs):
+    """A sweep folder whose sweep.json lists `runs`, in the shape evals.run -m writes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [str(run) for run in runs]
+    (folder / "sweep.json").write_text(json.dumps({"runs": paths, "command": "python -m evals.run -m ...",
+                                                   "jobs": len(paths)}))
+    return folder
+
+
+def test_sweep_and_filters(tmp_path, capsys):
+    """--sweep reads exactly the runs its sweep.json lists (paths absolute, or relative to the sweep
+    folder); --method and --budget keep FullKV as the reference; --limit picks runs by item count."""
+    root = tmp_path / "runs"
+    ours = [write_run(root, "canary", "vanilla", None, "canary", 1.0, n_items=16, planned=16),
+            write_run(root, "canary", "h2o", 96, "canary", 0.5, n_items=16, planned=16),
+            write_run(root, "canary", "h2o", 192, "canary", 0.75, n_items=16, planned=16),
+            write_run(root, "canary", "rkv", 96, "canary", 0.25, n_items=16, planned=16)]
+    write_run(root, "canary", "h2o", 384, "canary", 0.875, n_items=48, planned=48)  # another sweep's
+    sweep = write_sweep(tmp_path / "sweep", [*ours, ours[0], root / "never_ran"])  # vanilla: two jobs, one run
+    out = tmp_path / "t" / "table"
+    assert main(["--sweep", str(sweep), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "never_ran is in the sweep but has no metrics.json" in captured.err
+    assert "384" not in captured.out and "canary (16 of 200)" in captured.out and "kept the newest" not in captured.out
+    assert main(["--runs", str(root), "--out", str(out), "--method", "h2o", "--budget", "96"]) == 0
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| canary") or line.startswith("|  |")]
+    assert rows == ["| canary | - | FullKV | 100.0 |", "|  | 96 | H2O | 50.0 |"]
+    assert main(["--runs", str(root), "--out", str(out), "--limit", "48"]) == 0
+    printed = capsys.readouterr().out
+    assert "canary (48 of 200)" in printed and "(16 of 200)" not in printed
+    relative = write_sweep(tmp_path / "rel", [Path("..") / "runs" / run.name for run in ours[:2]])
+    assert len(collect_sweep(relative)) == 2
+    assert main(["--sweep", str(tmp_path / "nowhere")]) == 2
+    assert "sweep.json does not exist" in capsys.readouterr().err
+
+
+def test_every_run_dirty_is_one_line(tmp_path):
+    root = tmp_path / "runs"
+    for method in ("h2o", "longflow"):
+        run = write_run(root, "m", method, 64, "gsm8k", 0.5)
+        (run / "provenance.json").write_text(json.dumps([{"git_dirty": True}]))
+    table = build_table(collect(root))
+    assert not table.dirty.to_numpy().any()
+    assert table.footnotes == ["every run was made from a checkout with uncommitted changes (provenance.json)"]

@@ -1,0 +1,258 @@
+"""Run directories as one frame for the reports: which runs (a runs folder, or exactly one sweep's),
+the filters (model, method, budget, dataset, generation, limit), display labels, and the item set
+each run covers, so that a table or a figure compares only runs over the same items.
+
+A sweep folder holds `sweep.json`, written by `evals.run -m` at the Hydra sweep directory:
+`{"runs": [run directory paths], "command": "...", "jobs": N}`. A relative path is read from the
+working directory, or else from the sweep folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from evals.report.names import DEFAULT_VARIANT, dataset_name, dataset_sort_key, method_label, method_rank, model_name
+from evals.store import METRICS, PROVENANCE, planned_items, stable_hash
+from longflow.errors import UserError
+
+REFERENCE = "vanilla"  # the full cache: budget "-", listed first, kept by the method and budget filters
+SWEEP = "sweep.json"
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def dirty_flag(run: Path) -> bool | None:
+    """Whether any start of the run was made from a checkout with uncommitted changes: provenance.json's
+    `git_dirty`, in its list of one entry per start (or a single entry); None when no entry says."""
+    try:
+        entries = json.loads((run / PROVENANCE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    entries = entries if isinstance(entries, list) else [entries]
+    flags = [entry.get("git_dirty") for entry in entries if isinstance(entry, dict)]
+    flags = [flag for flag in flags if isinstance(flag, bool)]
+    return any(flags) if flags else None
+
+
+def read_run(path: Path) -> dict | None:
+    """One run's metrics.json (`path`) as a record plus `path`, `mtime`, `n_planned` (the items its
+    config covers, from items.json), `item_set` (a hash of those ids) and `dirty`; None, with a
+    warning line, when the file is unreadable or names no model, method or dataset."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        warn(f"skipping {path}: unreadable ({error})")
+        return None
+    if not isinstance(record, dict):
+        warn(f"skipping {path}: not a JSON object")
+        return None
+    missing = [key for key in ("model", "method", "dataset") if record.get(key) is None]
+    if missing:
+        warn(f"skipping {path}: no {', '.join(missing)}")
+        return None
+    planned = planned_items(path.parent)
+    return {**record, "path": str(path.parent), "mtime": path.stat().st_mtime,
+            "n_planned": None if planned is None else len(planned),
+            "item_set": None if planned is None else stable_hash(sorted(map(str, planned)), length=6),
+            "dirty": dirty_flag(path.parent)}
+
+
+def frame_of(records: list[dict]) -> pd.DataFrame:
+    """The records as one frame, nested dicts flattened with dots (`step_latency_ms.p50`), defaults for
+    the keys older runs lack."""
+    if not records:
+        return pd.DataFrame()
+    frame = pd.json_normalize(records)
+    for column, default in (("variant", DEFAULT_VARIANT), ("generation", "-"), ("budget", None),
+                            ("complete", True), ("n_items", None), ("dataset_size", None)):
+        if column not in frame:
+            frame[column] = default
+    frame["variant"] = frame["variant"].fillna(DEFAULT_VARIANT)
+    frame["generation"] = frame["generation"].fillna("-")
+    frame["complete"] = frame["complete"].fillna(True).astype(bool)
+    frame["n_planned"] = frame["n_planned"].fillna(frame["dataset_size"])  # runs from before items.json
+    for column in ("budget", "n_items", "dataset_size", "n_planned"):
+        frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("Int64")
+    return frame
+
+
+def collect(runs_dir: Path | str) -> pd.DataFrame:
+    """Every readable `metrics.json` under `runs_dir`, one row each (`read_run`). Unreadable or partial
+    files are skipped with a warning line; hidden folders (Hydra's `.hydra/`) are not searched. May
+    return an empty frame."""
+    runs_dir = Path(runs_dir)
+    paths = [path for path in sorted(runs_dir.rglob(METRICS))
+             if not any(part.startswith(".") for part in path.relative_to(runs_dir).parts)]
+    return frame_of([record for record in map(read_run, paths) if record is not None])
+
+
+def sweep_runs(sweep_dir: Path) -> list[Path]:
+    """The run directories a sweep's `sweep.json` lists, each once; UserError when it is missing or
+    malformed."""
+    path = sweep_dir / SWEEP
+    try:
+        sweep = json.loads(path.read_text(encoding="utf-8"))
+    except OSError:
+        raise UserError(f"{path} does not exist (--sweep takes the folder evals.run -m wrote it in)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserError(f"{path} is not JSON ({error})") from None
+    runs = sweep.get("runs") if isinstance(sweep, dict) else None
+    if not isinstance(runs, list) or not all(isinstance(run, str) for run in runs):
+        raise UserError(f"{path} has no list of run directories under \"runs\"")
+    paths = [Path(run) if Path(run).is_absolute() or Path(run).exists() else sweep_dir / run for run in runs]
+    return list(dict.fromkeys(paths))  # jobs that share a run (vanilla at several budgets) list it once each
+
+
+def collect_sweep(sweep_dir: Path | str) -> pd.DataFrame:
+    """The runs of one sweep, exactly those `sweep.json` lists; a listed run without metrics.json (not
+    started, or failed before its first batch) is named in a warning line."""
+    records = []
+    for run in sweep_runs(Path(sweep_dir)):
+        if not (run / METRICS).exists():
+            warn(f"{run} is in the sweep but has no {METRICS}")
+            continue
+        record = read_run(run / METRICS)
+        if record is not None:
+            records.append(record)
+    return frame_of(records)
+
+
+def select(runs: pd.DataFrame, models=None, datasets=None, generation: str | None = None, methods=None,
+           budgets=None, limits=None) -> pd.DataFrame:
+    """The runs of the given models, datasets (run keys or display names), generation config, methods,
+    budgets and item counts (`limits`: the items a run's config covers). FullKV, the reference, is
+    kept whatever `methods` and `budgets` say (its budget is not one)."""
+    if runs.empty:
+        return runs
+    keep = pd.Series(True, index=runs.index)
+    reference = runs["method"] == REFERENCE
+    if models:
+        keep &= runs["model"].isin(models)
+    if datasets:
+        wanted = set(datasets) | {dataset_name(d) for d in datasets}
+        keep &= runs["dataset"].isin(wanted) | runs["dataset"].map(dataset_name).isin(wanted)
+    if generation:
+        keep &= runs["generation"] == generation
+    if methods:
+        keep &= runs["method"].isin(methods) | reference
+    if budgets:
+        keep &= runs["budget"].isin(budgets).fillna(False).astype(bool) | reference
+    if limits:
+        keep &= runs["n_planned"].isin(limits).fillna(False).astype(bool)
+    return runs[keep]
+
+
+def label(runs: pd.DataFrame) -> pd.DataFrame:
+    """`runs` plus display columns: model_label, method_label, budget_label ("-" for the full cache),
+    dataset_label, `items` (the dataset and the items run, "canary (16 of 200)": a table's column, a
+    figure's panel), sort keys, and `finished`: whether a run did every item its config asked for (a
+    run of the first items, `limit`, is finished when it has them; a run of a whole benchmark when it
+    is complete, every sample included). Shared by the table and the figures."""
+    runs = runs.copy()
+    done, planned, size = (runs[column].astype("Float64").fillna(float("nan")).astype(float)
+                           for column in ("n_items", "n_planned", "dataset_size"))
+    runs["finished"] = runs["complete"] | ((planned < size) & (done >= planned))
+    runs["model_label"] = runs["model"].map(model_name)
+    modes = runs["budget_mode"] if "budget_mode" in runs else pd.Series(None, index=runs.index, dtype=object)
+    runs["method_label"] = [method_label(m, v, b) for m, v, b in zip(runs["method"], runs["variant"], modes,
+                                                                      strict=True)]
+    runs["method_rank"] = runs["method"].map(method_rank)
+    runs["budget_label"] = [
+        "-" if method == REFERENCE or pd.isna(budget) else str(int(budget))
+        for method, budget in zip(runs["method"], runs["budget"], strict=True)
+    ]
+    # Full cache sorts before every budget; the budget is ignored by that method anyway.
+    budget = runs["budget"].astype("Float64").fillna(-1.0)
+    runs["budget_rank"] = budget.where(runs["method"] != REFERENCE, -1.0)
+    runs["dataset_label"] = runs["dataset"].map(dataset_name)
+    if "item_set" not in runs:
+        runs["item_set"] = None
+    runs["items"] = items_labels(runs)
+    return runs
+
+
+def items_text(dataset: str, planned, size) -> str:
+    if pd.isna(planned):
+        return dataset
+    if pd.isna(size) or planned >= size:
+        return f"{dataset} ({int(planned)})"
+    return f"{dataset} ({int(planned)} of {int(size)})"
+
+
+def items_labels(runs: pd.DataFrame) -> list[str]:
+    """Each run's item set as text: the dataset, the items its config covers and the benchmark's size;
+    where runs of one such text cover different items (another generator setting, other shards of
+    ids), each set is named by the start of its hash. A run without items.json joins the set of the
+    others."""
+    text = [items_text(*key) for key in zip(runs["dataset_label"], runs["n_planned"], runs["dataset_size"],
+                                            strict=True)]
+    sets = pd.DataFrame({"text": text, "item_set": runs["item_set"].to_numpy()}, index=runs.index)
+    labels = pd.Series(text, index=runs.index)
+    for name, group in sets.groupby("text"):
+        hashes = group["item_set"].dropna()
+        if hashes.nunique() > 1:
+            labels[hashes.index] = [f"{name[:-1]}, items {h})" if name.endswith(")") else f"{name} (items {h})"
+                                    for h in hashes]
+            most = hashes.value_counts().index[0]
+            labels[group.index.difference(hashes.index)] = labels[hashes.index[hashes == most][0]]
+    return labels.tolist()
+
+
+def items_sort_key(runs: pd.DataFrame) -> dict[str, tuple]:
+    """The order of the `items` labels: the paper's dataset order, then fewer items first."""
+    first = runs.drop_duplicates("items")
+    return {items: (dataset_sort_key(dataset), -1 if pd.isna(planned) else int(planned), items)
+            for items, dataset, planned in zip(first["items"], first["dataset_label"], first["n_planned"],
+                                               strict=True)}
+
+
+def keep_newest(runs: pd.DataFrame, keys: list[str]) -> tuple[pd.DataFrame, list[str]]:
+    """One run per `keys` value, the newest by metrics.json mtime; and a note for each key that had
+    several (other seeds, reruns with a changed config)."""
+    runs = runs.sort_values("mtime", kind="stable")
+    notes = []
+    for key, group in runs.groupby(keys, sort=True):
+        if len(group) > 1:
+            where = " / ".join(str(k) for k in key)
+            notes.append(f"{where}: {len(group)} runs, kept the newest ({Path(group['path'].iloc[-1]).name})")
+    return runs.drop_duplicates(keys, keep="last"), notes
+
+
+def add_filters(parser: argparse.ArgumentParser) -> None:
+    """--runs or --sweep, and the run filters, shared by `table`, `figures` and `results`."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--runs", type=Path, default=Path("results/runs"),
+                        help="folder of run directories, every one under it (default results/runs)")
+    source.add_argument("--sweep", type=Path, nargs="+",
+                        help=f"sweep folders: exactly the runs each one's {SWEEP} lists")
+    parser.add_argument("--model", nargs="+", help="only these models (run keys)")
+    parser.add_argument("--method", nargs="+", help="only these methods (config names; FullKV is always kept)")
+    parser.add_argument("--budget", type=int, nargs="+", help="only these KV budgets (FullKV is always kept)")
+    parser.add_argument("--dataset", nargs="+", help="only these datasets (run keys or display names)")
+    parser.add_argument("--limit", type=int, nargs="+", help="only runs of this many items (their config's)")
+    parser.add_argument("--generation", help="only this generation config (greedy, sampling, ...)")
+
+
+def load(args: argparse.Namespace) -> pd.DataFrame:
+    """`collect` (or `collect_sweep`) then `select` from parsed filter arguments; UserError when
+    nothing is left."""
+    if args.sweep:
+        runs = pd.concat([collect_sweep(folder) for folder in args.sweep], ignore_index=True)
+        source = ", ".join(str(folder) for folder in args.sweep)
+    else:
+        if not args.runs.is_dir():
+            raise UserError(f"runs folder {args.runs} does not exist (pass --runs or --sweep)")
+        runs, source = collect(args.runs), str(args.runs)
+    if runs.empty:
+        raise UserError(f"no {METRICS} found under {source}")
+    runs = select(runs, args.model, args.dataset, args.generation, args.method, args.budget, args.limit)
+    if runs.empty:
+        raise UserError(f"no runs of {source} match the filters")
+    return runs
