@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from evals.configs import compose_config
 from longflow.errors import UserError, report
 
 FORMAT = 1  # the file layout's version: bump it when keys or their meaning change
@@ -155,8 +156,8 @@ def calibrate(cfg: dict[str, Any], out: Path | None, stride: int) -> Path:
 
     from baselines.vanilla import VanillaPolicy
     from evals.grading import GradeRequest, grade_many
+    from evals.pipeline import checkpoint_fingerprint, decode, load_jobs
     from evals.prompts import build_messages, render_prompt, truncate_prompt
-    from evals.run import checkpoint_fingerprint, decode, load_jobs
     from longflow.cache import ATTENTION_NAME
     from longflow.config import EngineConfig, GenerationConfig, from_mapping
     from longflow.engine import Engine
@@ -251,23 +252,11 @@ def calibrate(cfg: dict[str, Any], out: Path | None, stride: int) -> Path:
     return out
 
 
-def compose(overrides: list[str]) -> dict[str, Any]:
-    """conf/config.yaml with `overrides`, resolved to plain values (as `python -m evals.run` sees it)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from evals.configs import CONF_DIR
-
-    with initialize_config_dir(version_base="1.3", config_dir=str(CONF_DIR)):
-        return OmegaConf.to_container(hydra_compose("config", overrides=overrides), resolve=True)
-
-
 def main(argv: list[str]) -> int:
     own = {key: value for key, _, value in (arg.partition("=") for arg in argv) if key in OWN_KEYS}
     overrides = [arg for arg in argv if arg.partition("=")[0] not in OWN_KEYS]
     try:
-        path = calibrate(compose(overrides), Path(own["out"]) if "out" in own else None,
+        path = calibrate(compose_config(overrides), Path(own["out"]) if "out" in own else None,
                          int(own.get("stride", 8)))
     except UserError as error:
         return report(error)
