@@ -201,6 +201,12 @@ class RunDir:
             fcntl.flock(handle, fcntl.LOCK_EX)
             yield
 
+    def clear(self) -> None:
+        """Deletes the run's records (`overwrite=true`): it starts again under the same identity."""
+        with self._writing():
+            for name in (GENERATIONS, BATCHES, FIDELITY, METRICS, PROVENANCE, ITEMS, CONFIG):
+                (self.path / name).unlink(missing_ok=True)
+
     def close(self) -> None:
         for lock in self._locks:
             lock.close()
