@@ -14,7 +14,6 @@ import torch
 from conftest import COMPRESSING, REPO, policy_of, tiny_model
 from test_engine import hf_attention
 from test_figures import is_png, write_run
-from test_run import BASE, records, run_cli, run_dirs
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from baselines.streaming import StreamingPolicy
@@ -28,6 +27,7 @@ from longflow.engine import Engine
 from longflow.errors import UserError
 from longflow.fidelity import teacher_force
 from longflow.policy import KVPolicy
+from tests.helpers.runs import BASE, records, run_cli, run_dirs
 
 # Small budgets shrink the compression interval of interval methods, with a warning expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:.*leaves no room:UserWarning")
