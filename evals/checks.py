@@ -94,7 +94,8 @@ def check_choices(overrides: Sequence[str]) -> None:
 def check_override_keys(job: Sequence[str]) -> None:
     """Each `key=value` of one job's overrides names a key of the config its group choices compose,
     or a UserError with the nearest key (Hydra would advise appending `+key`, which is wrong for a
-    typo). Added (`+`), deleted (`~`) and Hydra's own keys are left to Hydra."""
+    typo). Added (`+`), deleted (`~`) and Hydra's own keys are left to Hydra. Called once Hydra has
+    refused the job's composition: it composes the choices alone."""
     groups = config_groups()
     choices = [argument for argument in job if argument.partition("=")[0].lstrip("+~") in groups]
     added = [argument.partition("=")[0].lstrip("+") for argument in job if argument.startswith("+")]

@@ -42,8 +42,11 @@ def check_overrides(argv: list[str]) -> None:
         jobs = sweep_jobs(overrides) if flags else [overrides]
         configs = []
         for job in jobs:
-            check_override_keys(job)
-            configs.append(compose_config(job))
+            try:
+                configs.append(compose_config(job))
+            except HydraException:
+                check_override_keys(job)  # a mistyped key: named with the nearest one, not Hydra's advice
+                raise
             check_fields(configs[-1])
     except (HydraException, OmegaConfBaseException) as error:
         raise UserError(_one_line(error)) from None
