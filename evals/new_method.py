@@ -131,7 +131,8 @@ def create(name: str, root: Path = REPO) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m evals.new_method", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", help="the method's name: module, config and label (lower case, e.g. my_method)")
     args = parser.parse_args(argv)
     try:
