@@ -58,11 +58,14 @@ def check_fields(cfg: dict[str, Any]) -> None:
         raise UserError(f"limit must be a positive integer or null, got {limit!r}")
     if not isinstance(cfg["require_gpu"], bool):
         raise UserError(f"require_gpu must be true or false, got {cfg['require_gpu']!r}")
-    if not isinstance(cfg.get("fidelity", False), bool):
-        raise UserError(f"fidelity must be true or false, got {cfg['fidelity']!r}")
+    for key in ("fidelity", "overwrite", "allow_code_change"):
+        if not isinstance(cfg[key], bool):
+            raise UserError(f"{key} must be true or false, got {cfg[key]!r}")
     if not isinstance(cfg["results_dir"], str) or not cfg["results_dir"]:
         raise UserError(f"results_dir must be a folder path, got {cfg['results_dir']!r}")
-    Shard.parse(cfg.get("shard"))
+    if Shard.parse(cfg.get("shard")) is not None and cfg["overwrite"]:
+        raise UserError("overwrite=true with shard= would delete the other shards' samples; overwrite the run "
+                        "once without shard=, or resume it with allow_code_change=true")
     generation = {key: value for key, value in cfg["generation"].items() if key not in GENERATION_LABELS}
     from_mapping(GenerationConfig, generation, "generation")
     from_mapping(EngineConfig, cfg["engine"], "engine")
@@ -91,7 +94,8 @@ def check_choices(overrides: Sequence[str]) -> None:
 def check_override_keys(job: Sequence[str]) -> None:
     """Each `key=value` of one job's overrides names a key of the config its group choices compose,
     or a UserError with the nearest key (Hydra would advise appending `+key`, which is wrong for a
-    typo). Added (`+`), deleted (`~`) and Hydra's own keys are left to Hydra."""
+    typo). Added (`+`), deleted (`~`) and Hydra's own keys are left to Hydra. Called once Hydra has
+    refused the job's composition: it composes the choices alone."""
     groups = config_groups()
     choices = [argument for argument in job if argument.partition("=")[0].lstrip("+~") in groups]
     added = [argument.partition("=")[0].lstrip("+") for argument in job if argument.startswith("+")]

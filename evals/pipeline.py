@@ -28,6 +28,7 @@ from tqdm import tqdm
 from baselines.vanilla import VanillaPolicy
 from evals.checks import check_fields
 from evals.datasets import fingerprint, load, registry_spec
+from evals.fingerprint import check_code, code_record
 from evals.gpus import job_device
 from evals.grading import GradeRequest, grade_many
 from evals.metrics import summarize
@@ -47,6 +48,8 @@ from longflow.models import (
     eos_token_ids,
     load_model,
 )
+
+LARGE_ON_CPU = 1e9  # parameters above which decoding on the CPU takes hours per long output
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +112,8 @@ class Setup:
     grading: dict
     shard: Any  # evals.shards.Shard | None
     fidelity: bool = False
+    overwrite: bool = False  # start every run of the config again, its stored records deleted
+    allow_code_change: bool = False  # resume a run made by other code (`evals.fingerprint`)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Setup:
@@ -136,6 +141,7 @@ class Setup:
             model=from_mapping(ModelSpec, cfg["model"], "model"), limit=limit, grading=dict(cfg["grading"]),
             shard=Shard.parse(cfg.get("shard")),
             fidelity=fidelity_option(cfg.get("fidelity", False), generation_name, generation),
+            overwrite=cfg["overwrite"], allow_code_change=cfg["allow_code_change"],
         )
 
     def identity(self, job: Job, tokenizer) -> dict[str, Any]:
@@ -221,23 +227,49 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
     check_context(setup)
     check_results_dir(Path(cfg["results_dir"]))
     model, tokenizer = load_model(setup.model, device)
+    check_device_fits(setup.model, model, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     engine = Engine(model, lambda: copy.deepcopy(setup.policy), eos_token_ids(model, tokenizer), pad_id,
                     setup.engine)
     engine.warm_up()
     seeds = {"generation": setup.generation.seed, "dataset": cfg["dataset"]["seed"], "init": setup.model.init_seed}
-    return [run_dataset(job, setup, engine, tokenizer, Path(cfg["results_dir"]), config_yaml, seeds) for job in jobs]
+    code = code_record(setup.policy)
+    return [run_dataset(job, setup, engine, tokenizer, Path(cfg["results_dir"]), config_yaml, seeds, code)
+            for job in jobs]
+
+
+def check_device_fits(spec: ModelSpec, model, device: torch.device) -> None:
+    """A warning when a model of over `LARGE_ON_CPU` parameters is to decode on the CPU (device=auto
+    on a machine without a visible GPU, say): hours per item, not an error."""
+    parameters = model.num_parameters()
+    if device.type == "cpu" and parameters > LARGE_ON_CPU:
+        logger.warning("model %s has %.1fB parameters and runs on the CPU: expect hours per item (device=cuda on "
+                       "a GPU machine)", spec.name, parameters / 1e9)
+
+
+def check_budget_bounds(setup: Setup, job: Job, prompts: dict[str, list[int]]) -> None:
+    """A warning when the budget holds the longest prompt and all its new tokens: the method never
+    evicts, and its rows are a full cache's under the method's name."""
+    if setup.budget is None or not prompts:
+        return
+    longest = max(len(ids) for ids in prompts.values())
+    if setup.budget >= longest + setup.generation.max_new_tokens:
+        logger.warning("budget %d >= the longest %s prompt (%d tokens) + max_new_tokens (%d): %s never evicts "
+                       "here, its results are the full cache's", setup.budget, job.name, longest,
+                       setup.generation.max_new_tokens, setup.method)
 
 
 def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, config_yaml: str | None,
-                seeds: dict[str, int]) -> dict[str, Any]:
-    """Generates, grades and stores the missing samples of one dataset; returns its metrics."""
+                seeds: dict[str, int], code: dict[str, Any]) -> dict[str, Any]:
+    """Generates, grades and stores the missing samples of one dataset; returns its metrics. `code`
+    (`evals.fingerprint.code_record`) must match the run's last start unless the setup allows a change."""
     generation = setup.generation
     prompts = {}
     for item in job.items:
         ids = render_prompt(tokenizer, build_messages(item, job.kind, setup.protocol), thinking=setup.model.thinks,
                             protocol=setup.protocol)
         prompts[item.id] = truncate_prompt(ids, generation.max_prompt_tokens, generation.truncation_side)
+    check_budget_bounds(setup, job, prompts)
     identity = setup.identity(job, tokenizer)
     max_positions = engine.model.config.get_text_config().max_position_embeddings
 
@@ -249,7 +281,12 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
 
     with RunDir(results_dir, identity, setup.shard) as run:
         identity = {**identity, "run_id": run.path.name}
-        run.update_json(PROVENANCE, lambda entries: [*entries, provenance(seeds, engine.device)], default=[])
+        if setup.overwrite:
+            run.clear()
+        else:
+            check_code(run.path, run.read_json(PROVENANCE, default=[]), code, setup.allow_code_change)
+        run.update_json(PROVENANCE, lambda entries: [*entries, {**provenance(seeds, engine.device), "code": code}],
+                        default=[])
         run.write_json(ITEMS, [item.id for item in job.items])
         if config_yaml is not None:
             run.write_text(CONFIG, config_yaml)
@@ -258,7 +295,12 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
                 if (item.id, sample) not in done]
         work.sort(key=lambda unit: -len(prompts[unit[0].id]))  # similar lengths batch together
         name = f"{setup.method}/{job.name}" + (f" shard {setup.shard}" if setup.shard else "")
-        progress = tqdm(total=len(work), desc=name, unit="sample", dynamic_ncols=True)
+        planned = len(mine) * generation.n_samples
+        if not work:
+            print(f"complete: nothing to generate in {run.path}")
+        elif len(work) < planned:
+            print(f"resuming {run.path}: {planned - len(work)} of {planned} done, generating {len(work)}")
+        progress = tqdm(total=len(work), desc=name, unit="sample", dynamic_ncols=True, disable=not work)
         too_long = [u for u in work if len(prompts[u[0].id]) + generation.max_new_tokens > max_positions]
         if too_long:
             run.commit([failure_record(item, sample, job, len(prompts[item.id]), "prompt_too_long")
@@ -448,7 +490,8 @@ def run_fidelity(run, job: Job, setup: Setup, engine, prompts: dict, items: list
     work = [item for item in items
             if item.id not in stored and len(prompts[item.id]) + generation.max_new_tokens <= max_positions]
     work.sort(key=lambda item: -len(prompts[item.id]))  # similar lengths batch together
-    progress = tqdm(total=len(work), desc=f"{setup.method}/{job.name} fidelity", unit="item", dynamic_ncols=True)
+    progress = tqdm(total=len(work), desc=f"{setup.method}/{job.name} fidelity", unit="item", dynamic_ncols=True,
+                    disable=not work)
     for start in range(0, len(work), setup.engine.batch_size):
         batch_items = work[start:start + setup.engine.batch_size]
         result = teacher_force(engine, [prompts[item.id] for item in batch_items], generation, VanillaPolicy)

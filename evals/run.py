@@ -12,9 +12,12 @@ main runs each job through `evals.pipeline.evaluate`. Errors are one `error:` li
 from __future__ import annotations
 
 import sys
+import warnings
+from pathlib import Path
 
 from evals.checks import check_choices, check_fields, check_override_keys
 from evals.configs import CONF_DIR, PRIMARY, VERSION_BASE, compose_config
+from evals.hub import offline_unless_reachable
 from evals.sweeps import sweep_jobs
 from longflow.errors import UserError, report
 
@@ -39,11 +42,15 @@ def check_overrides(argv: list[str]) -> None:
         jobs = sweep_jobs(overrides) if flags else [overrides]
         configs = []
         for job in jobs:
-            check_override_keys(job)
-            configs.append(compose_config(job))
+            try:
+                configs.append(compose_config(job))
+            except HydraException:
+                check_override_keys(job)  # a mistyped key: named with the nearest one, not Hydra's advice
+                raise
             check_fields(configs[-1])
     except (HydraException, OmegaConfBaseException) as error:
         raise UserError(_one_line(error)) from None
+    offline_unless_reachable(configs)  # before the hub libraries are imported
     from evals.pipeline import Setup  # torch and the method classes: after the checks that need neither
 
     for cfg in configs:
@@ -67,9 +74,12 @@ def _hydra_main() -> None:
     from evals.pipeline import Interrupted, evaluate
 
     @hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=PRIMARY)
-    def main(config) -> None:
+    def main(config) -> list[str]:
+        """One job; returns its run directories (`results_dir` as given / run name: `evals.sweeps`)."""
         try:
-            evaluate(OmegaConf.to_container(config, resolve=True), OmegaConf.to_yaml(config, resolve=True))
+            cfg = OmegaConf.to_container(config, resolve=True)
+            metrics = evaluate(cfg, OmegaConf.to_yaml(config, resolve=True))
+            return [str(Path(cfg["results_dir"]) / run["run_id"]) for run in metrics]
         except UserError as error:
             sys.exit(report(error))
         except GraderError as error:  # the grader's own failure: nothing was counted wrong for it
@@ -82,7 +92,16 @@ def _hydra_main() -> None:
     main()
 
 
+def readable_warnings() -> None:
+    """Warnings as one `warning:` line without the source location (a method's warning points into
+    the dataclass's generated `__init__`, `<string>:16`), and transformers' FutureWarnings about
+    its own coming changes (nothing a user of this harness acts on) silenced."""
+    warnings.formatwarning = lambda message, category, *args, **kwargs: f"warning: {message}\n"
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(\.|$)")
+
+
 def main(argv: list[str]) -> None:
+    readable_warnings()
     try:
         check_overrides(argv)
         _hydra_main()

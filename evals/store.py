@@ -4,7 +4,8 @@ A run is identified by everything that changes its outputs (model id, revision a
 method and its parameters, budget, generation parameters, the rendered prompts, the dataset's
 content, the seeds) and by nothing else (not the batch size, not the output path). The identity is
 hashed into the directory name, so changing any of those starts a new run, and starting the same
-config again resumes the old one.
+config again resumes the old one. The code is not in the identity but in provenance.json, one entry
+per start (`evals.fingerprint`): a start by other code than the last is refused unless asked for.
 
 Records are appended to `generations.jsonl` one whole line per item and sample, flushed and
 fsynced after every batch. A run killed at any moment leaves at worst a torn last line, which the
@@ -200,6 +201,12 @@ class RunDir:
         with open(self.path / WRITE_LOCK, "a") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             yield
+
+    def clear(self) -> None:
+        """Deletes the run's records (`overwrite=true`): it starts again under the same identity."""
+        with self._writing():
+            for name in (GENERATIONS, BATCHES, FIDELITY, METRICS, PROVENANCE, ITEMS, CONFIG):
+                (self.path / name).unlink(missing_ok=True)
 
     def close(self) -> None:
         for lock in self._locks:

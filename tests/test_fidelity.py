@@ -13,7 +13,6 @@ import pytest
 import torch
 from helpers import COMPRESSING, REPO, hf_attention, policy_of, tiny_model
 from test_figures import is_png, write_run
-from test_run import BASE, records, run_cli, run_dirs
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from baselines.streaming import StreamingPolicy
@@ -28,6 +27,7 @@ from longflow.engine import Engine
 from longflow.errors import UserError
 from longflow.fidelity import teacher_force
 from longflow.policy import KVPolicy
+from tests.helpers.runs import BASE, records, run_cli, run_dirs
 
 # Small budgets shrink the compression interval of interval methods, with a warning expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:.*leaves no room:UserWarning")

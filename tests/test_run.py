@@ -93,6 +93,7 @@ def test_identity_ignores_batch_size_but_not_budget(reference, tmp_path):
         (["dataset=imagenet"], "unknown dataset 'imagenet'; choose one of: "),
         (["-m", "method=h2o,magic"], "unknown method 'magic'"),
         (["method=h2o", "budget=0"], "budget must be a positive integer"),
+        (["budgte=96"], "unknown key budgte (did you mean budget?)"),
         (["method=h2o", "budget=-5"], "budget must be a positive integer"),
         (["dataset=gsm8k", "dataset.root=/nonexistent/data"], "gsm8k.jsonl"),
         (["generation.max_new_tokens=abc"], "generation.max_new_tokens must be an integer, got 'abc'"),
@@ -136,6 +137,12 @@ def assert_refused_before_loading(result: subprocess.CompletedProcess, needle: s
         (["method=h2o", "method.heavy_ratio=1.5"], "h2o: heavy_ratio must be in [0, 1), got 1.5"),
         (["method=h2o", "+method.beta=1"], "method 'h2o': H2OPolicy.__init__() got an unexpected keyword argument"),
         (["method=h2o", "method._target_=baselines.h2o.Nothing"], "method class 'baselines.h2o.Nothing' not found"),
+        (["budgte=96"], "unknown key budgte (did you mean budget?); the config takes: "),
+        (["generation.max_new_tokenz=3"], "unknown key generation.max_new_tokenz (did you mean max_new_tokens?)"),
+        (["-m", "method=h2p,h2o"], "unknown method 'h2p' (did you mean h2o?); choose one of: "),
+        (["overwrite=yes"], "overwrite must be true or false, got 'yes'"),
+        (["shard=0/2", "overwrite=true"], "overwrite=true with shard= would delete the other shards' samples"),
+        (["budget=0"], "budget must be a positive integer"),
 ])
 def test_every_config_value_is_checked_before_anything_runs(args, needle):
     """The checks `python -m evals.run` makes before Hydra starts (the cases above, end to end)."""

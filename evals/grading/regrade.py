@@ -70,7 +70,8 @@ def _regrade(run: Path, workers: int, timeout: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m evals.grading", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout", type=int, default=10, help="seconds per item, a hard limit")

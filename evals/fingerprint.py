@@ -1,0 +1,110 @@
+"""What code made a run: a hash of the source of the method's classes and of the library on the
+decode path, and the git state (commit, whether the tree was dirty, a hash of the uncommitted diff).
+
+A run's identity covers its config, not its code (a fix must not orphan every run), so a run
+resumed after its method or the library changed would mix outputs of two programs and print the
+old numbers as if they were the new code's. Each start of a run records its `code_record` in
+provenance.json; a start whose source hash differs from the last one's is refused
+(`check_code`) unless the config says `overwrite=true` (start the run again) or
+`allow_code_change=true` (resume it knowingly).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import subprocess
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+from longflow.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+# The library: every module of it can change a decoded token (engine, kernels, cache, models, sampling).
+LIBRARY = "longflow"
+
+
+def policy_sources(policy: Any) -> list[Path]:
+    """The source files of the policy's classes (its class and bases, and those of policies held in
+    its fields, such as AMS's scorer) outside the library, which `library_sources` covers, and
+    outside Python's and the installed packages' own."""
+    installed = [Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "purelib", "platlib")]
+    excluded = [(REPO / LIBRARY).resolve(), *installed]
+    files: set[Path] = set()
+    pending = [policy]
+    while pending:
+        value = pending.pop()
+        for cls in type(value).__mro__:
+            try:
+                files.add(Path(inspect.getsourcefile(cls)).resolve())
+            except TypeError:  # a built-in class: no source file
+                continue
+        pending += [field for field in vars(value).values() if dataclasses.is_dataclass(field)
+                    and not isinstance(field, type)]
+    return sorted(path for path in files if not any(folder in path.parents for folder in excluded))
+
+
+def library_sources() -> list[Path]:
+    return sorted((REPO / LIBRARY).rglob("*.py"))
+
+
+def source_hashes(files: list[Path]) -> dict[str, str]:
+    """`{path relative to the repository (or absolute outside it): sha256 of its bytes, 16 hex}`."""
+    hashes = {}
+    for path in files:
+        try:
+            name = str(path.relative_to(REPO))
+        except ValueError:
+            name = str(path)
+        hashes[name] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    return hashes
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
+                              check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def code_record(policy: Any) -> dict[str, Any]:
+    """The code of a run start: `fingerprint` (one hash of `files`), `files` (each source's hash),
+    `git_commit`, `dirty` (uncommitted changes; None outside git) and `diff` (hash of `git diff HEAD`)."""
+    files = source_hashes([*policy_sources(policy), *library_sources()])
+    status = _git("status", "--porcelain")
+    diff = _git("diff", "HEAD") if status else None
+    commit = _git("rev-parse", "HEAD")
+    return {
+        "fingerprint": hashlib.sha256(repr(sorted(files.items())).encode()).hexdigest()[:16],
+        "files": files,
+        "git_commit": commit.strip() if commit else None,
+        "dirty": bool(status) if status is not None else None,
+        "diff": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None,
+    }
+
+
+def last_code(provenance: list[dict]) -> dict[str, Any] | None:
+    """The code record of the last start that has one (runs made before fingerprints have none)."""
+    for entry in reversed(provenance):
+        if isinstance(entry, dict) and isinstance(entry.get("code"), dict):
+            return entry["code"]
+    return None
+
+
+def changed_files(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    old, new = before.get("files", {}), now["files"]
+    return sorted(name for name in set(old) | set(new) if old.get(name) != new.get(name))
+
+
+def check_code(run: Path, provenance: list[dict], now: dict[str, Any], allow_change: bool) -> None:
+    """A UserError when the run at `run` was made by other code than `now`, unless `allow_change`."""
+    before = last_code(provenance)
+    if allow_change or before is None or before.get("fingerprint") == now["fingerprint"]:
+        return
+    changed = changed_files(before, now)
+    shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+    raise UserError(f"{run} was made by other code ({shown} changed since); add overwrite=true to start it "
+                    "again, or allow_code_change=true to resume it knowingly")

@@ -1,0 +1,119 @@
+"""A run knows its code and says what resuming it does; a sweep lists the runs it made; the warnings
+and the offline check that save a user hours."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from evals.configs import compose_config
+from evals.hub import OFFLINE, offline_unless_reachable
+from evals.pipeline import check_device_fits, evaluate
+from longflow.errors import UserError
+from tests.helpers.runs import BASE, run_cli, run_dirs
+
+EDITED = '''from baselines.streaming import StreamingPolicy
+
+
+class EditedPolicy(StreamingPolicy):
+    """StreamingLLM under another module: the method a user edits between two runs."""
+'''
+
+
+@pytest.fixture
+def edited_method(tmp_path, monkeypatch):
+    """A method module of its own on the path; returns its file."""
+    folder = tmp_path / "methods"
+    folder.mkdir()
+    module = folder / "edited_method.py"
+    module.write_text(EDITED)
+    monkeypatch.syspath_prepend(str(folder))
+    return module
+
+
+def config(root, *overrides: str) -> dict:
+    return compose_config([*BASE, "method=streaming", "method._target_=edited_method.EditedPolicy",
+                           "dataset.names=[demo_math]", "limit=2", "generation.max_new_tokens=8",
+                           f"results_dir={root}", *overrides])
+
+
+def provenance(root) -> list[dict]:
+    [run] = run_dirs(root)
+    return json.loads((run / "provenance.json").read_text())
+
+
+def test_editing_the_method_never_reports_the_old_numbers_silently(edited_method, tmp_path, capsys):
+    root = tmp_path / "runs"
+    [first] = evaluate(config(root))
+    assert "accuracy" in capsys.readouterr().out
+
+    edited_method.write_text(EDITED + "    n_sink: int = 4  # edited\n")
+    with pytest.raises(UserError) as refused:
+        evaluate(config(root))
+    message = str(refused.value)
+    assert "edited_method.py changed since" in message and "overwrite=true" in message
+    assert "allow_code_change=true" in message and "\n" not in message
+    assert "accuracy" not in capsys.readouterr().out  # no old numbers printed
+
+    evaluate(config(root, "allow_code_change=true"))
+    assert f"complete: nothing to generate in {root}" in capsys.readouterr().out
+    codes = [entry["code"] for entry in provenance(root)]
+    assert len(codes) == 2 and codes[0]["fingerprint"] != codes[1]["fingerprint"]
+    assert {"git_commit", "dirty", "diff", "files"} <= set(codes[1])
+
+    edited_method.write_text(EDITED + "    n_sink: int = 2  # edited again\n")
+    [again] = evaluate(config(root, "overwrite=true"))
+    out = capsys.readouterr().out
+    assert "complete" not in out and "resuming" not in out
+    assert len(provenance(root)) == 1 and again["n_items"] == first["n_items"] == 2
+
+
+def test_resuming_says_how_much_is_done(edited_method, tmp_path, capsys):
+    root = tmp_path / "runs"
+    evaluate(config(root, "limit=1"))
+    capsys.readouterr()
+    evaluate(config(root, "limit=3"))
+    assert f"resuming {run_dirs(root)[0]}: 1 of 3 done, generating 2" in capsys.readouterr().out
+
+
+def test_a_budget_that_holds_everything_is_warned(edited_method, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="evals.pipeline"):
+        evaluate(config(tmp_path / "runs", "budget=4096"))
+    assert any("never evicts" in record.getMessage() for record in caplog.records)
+
+
+def test_a_large_model_on_the_cpu_is_warned(caplog):
+    large = SimpleNamespace(num_parameters=lambda: 8_000_000_000)
+    with caplog.at_level(logging.WARNING, logger="evals.pipeline"):
+        check_device_fits(SimpleNamespace(name="qwen3_8b"), large, torch.device("cpu"))
+    assert "8.0B parameters and runs on the CPU" in caplog.text
+
+
+def test_an_unreachable_hub_is_asked_once_then_offline(monkeypatch):
+    for name in OFFLINE:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.delenv("https_proxy", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1:9")  # nothing listens there: refused at once
+    offline_unless_reachable([compose_config(["model=canary", "dataset=demo"])])  # needs no hub
+    assert not any(os.environ.get(name) for name in OFFLINE)
+    offline_unless_reachable([compose_config(["model=qwen3_8b", "dataset=demo"])])
+    assert all(os.environ.get(name) == "1" for name in OFFLINE)
+
+
+@pytest.mark.slow
+def test_a_sweep_lists_its_runs_and_prints_the_report_commands(tmp_path):
+    sweep = tmp_path / "sweep"
+    result = run_cli("-m", *BASE, "method=streaming,h2o", "dataset.names=[demo_math]", "limit=1",
+                     "generation.max_new_tokens=8", f"results_dir={tmp_path / 'runs'}", f"hydra.sweep.dir={sweep}")
+    assert result.returncode == 0, result.stderr
+    record = json.loads((sweep / "sweep.json").read_text())
+    assert record["jobs"] == 2 and record["command"].startswith("python -m evals.run -m ")
+    assert sorted(record["runs"]) == sorted(str(path) for path in run_dirs(tmp_path / "runs"))
+    assert "job 1 of 2" in result.stdout and "job 2 of 2" in result.stdout
+    assert f"python -m evals.table --sweep {sweep}" in result.stdout
