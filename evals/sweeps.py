@@ -51,8 +51,8 @@ def sweep_jobs(arguments: Sequence[str]) -> list[list[str]]:
 
 SWEEP = "sweep.json"
 # What a finished sweep prints for its runs (`{dir}`: the sweep folder).
-REPORT_COMMANDS = ("python -m evals.table --sweep {dir} --out {dir}/table",
-                   "python -m evals.figures --sweep {dir} --out {dir}")
+REPORT_COMMANDS = ("python -m evals.report.table --sweep {dir} --out {dir}/table",
+                   "python -m evals.report.figures --sweep {dir} --out {dir}")
 
 
 def _update(path: Path, change: Callable[[dict], dict]) -> dict:
@@ -74,7 +74,7 @@ def _duration(seconds: float) -> str:
 
 class SweepRecord(Callback):
     """`<sweep dir>/sweep.json` = `{"runs": [run directories, as given], "command": ..., "jobs": N}`,
-    updated as each job ends (a killed sweep still lists what it made; `evals.table --sweep` reads
+    updated as each job ends (a killed sweep still lists what it made; `evals.report.table --sweep` reads
     it); `job i of N` with an estimate of the time left as each job starts; the report commands at
     the end. Set in conf/config.yaml (`hydra.callbacks`)."""
 

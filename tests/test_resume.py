@@ -116,4 +116,4 @@ def test_a_sweep_lists_its_runs_and_prints_the_report_commands(tmp_path):
     assert record["jobs"] == 2 and record["command"].startswith("python -m evals.run -m ")
     assert sorted(record["runs"]) == sorted(str(path) for path in run_dirs(tmp_path / "runs"))
     assert "job 1 of 2" in result.stdout and "job 2 of 2" in result.stdout
-    assert f"python -m evals.table --sweep {sweep}" in result.stdout
+    assert f"python -m evals.report.table --sweep {sweep}" in result.stdout
