@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import yaml
+from helpers.runs import REPO
 
 from evals.configs import CONF_DIR, compose_config, group_options
 from evals.pipeline import Job, Setup
 from evals.sweeps import sweep_jobs
-from tests.helpers.runs import REPO
 
 TABLE1_METHODS = yaml.safe_load((CONF_DIR / "experiment" / "table1.yaml").read_text())["hydra"]["sweeper"]["params"][
     "method"].split(",")

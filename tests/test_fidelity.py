@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import COMPRESSING, REPO, hf_attention, policy_of, tiny_model
-from test_figures import is_png, write_run
+from helpers.reports import is_png, write_run
+from helpers.runs import BASE, records, run_cli, run_dirs
 from transformers import RepetitionPenaltyLogitsProcessor
 
 from baselines.streaming import StreamingPolicy
@@ -27,7 +28,6 @@ from longflow.engine import Engine
 from longflow.errors import UserError
 from longflow.fidelity import teacher_force
 from longflow.policy import KVPolicy
-from tests.helpers.runs import BASE, records, run_cli, run_dirs
 
 # Small budgets shrink the compression interval of interval methods, with a warning expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:.*leaves no room:UserWarning")

@@ -7,6 +7,7 @@ import json
 
 import pandas as pd
 import pytest
+from helpers.reports import is_figure, is_png
 from matplotlib.container import ErrorbarContainer
 
 from evals.report.figures import (
@@ -23,9 +24,6 @@ from evals.report.figures import (
 )
 from evals.report.runs import collect
 from longflow.errors import UserError
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-PDF_MAGIC = b"%PDF-"
 
 
 def write_run(root, model, method, budget, dataset, accuracy, *, complete=True, variant="paper",
@@ -55,15 +53,6 @@ def sweep(root, budgets):
                               complete=not (method == "h2o" and budget == budgets[0]))
             write_run(root, model, "h2o", budgets[-1], dataset, 0.3, variant="lf_repo")
     return root
-
-
-def is_png(path) -> bool:
-    return path.stat().st_size > 1000 and path.read_bytes()[:8] == PNG_MAGIC
-
-
-def is_figure(path) -> bool:
-    magic = PNG_MAGIC if path.suffix == ".png" else PDF_MAGIC
-    return path.stat().st_size > 1000 and path.read_bytes()[:len(magic)] == magic
 
 
 def test_budget_sweep(tmp_path):

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.runs import BASE, REPO, records, run_cli, run_dirs
 
 from evals import gpus
 from evals.grading import grade
-from tests.helpers.runs import BASE, REPO, records, run_cli, run_dirs
 
 SWEEP = ["-m", *BASE, "method=h2o,streaming", "dataset.names=[demo_math],[demo_gpqa]", "limit=2"]
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from conftest import capped, generate, tiny_model
+from helpers import capped, generate, tiny_model
 
 from evals.new_method import create
 from longflow.errors import UserError

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pandas as pd
+from helpers.reports import write_run
 
 from evals.report.results import main
-from tests.test_table import write_run
 
 
 def flattened(metrics: dict, prefix: str = "") -> dict[str, float]:

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers.runs import BASE, run_cli, run_dirs
 
 from evals.configs import compose_config
 from evals.hub import OFFLINE, offline_unless_reachable
 from evals.pipeline import check_device_fits, evaluate
 from longflow.errors import UserError
-from tests.helpers.runs import BASE, run_cli, run_dirs
 
 EDITED = '''from baselines.streaming import StreamingPolicy
 

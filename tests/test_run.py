@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.runs import BASE, REPO, records, run_cli, run_dirs
 
 from evals.configs import compose_config as composed
 from evals.pipeline import evaluate
 from evals.run import check_overrides
 from longflow.errors import UserError
-from tests.helpers.runs import BASE, REPO, records, run_cli, run_dirs
 
 
 @pytest.fixture(scope="module")

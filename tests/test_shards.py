@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.runs import BASE, REPO, records, run_cli, run_dirs
 
 from evals.report.runs import collect
 from evals.report.table import build_table
 from evals.shards import Shard
 from evals.store import GENERATIONS, RunDir, lock_run, run_name
 from longflow.errors import UserError
-from tests.helpers.runs import BASE, REPO, records, run_cli, run_dirs
 
 SHARDED = [*BASE, "method=h2o", "dataset.names=[demo_math]"]
 
