@@ -327,6 +327,11 @@ class KVPolicy:
     # Whether the run's `budget` bounds this method (False: the full cache, which holds every token
     # and records no budget). `build_policy` reads it, so no caller decides by the method's name.
     uses_budget: ClassVar[bool] = True
+    # Variants written as classes of their own: `variant` value -> the class's dotted path. A method
+    # config that names this class and such a variant builds that class (`longflow.methods`); each
+    # of them computes its `own_variant`.
+    variant_classes: ClassVar[dict[str, str]] = {}
+    own_variant: ClassVar[str | None] = None
 
     # The per-batch state, through the policy (see `BatchState`).
     slots = OfBatch()
@@ -348,6 +353,13 @@ class KVPolicy:
         if self.prefill != "snapkv" and self.has_prompt_rule():
             raise UserError(f"{self.name} cuts a prompt by its own rule (its prefill_scores); prefill must stay "
                             f"'snapkv', got {self.prefill!r}")
+        if self.variant_classes:
+            variant = getattr(self, "variant", None)
+            one_of(self.name, "variant", variant, tuple(self.variant_classes))
+            if variant != self.own_variant:
+                raise UserError(f"{self.name}: variant {variant} is the class "
+                                f"{self.variant_classes[variant].rpartition('.')[2]} (a method config picks it by "
+                                "its variant)")
         if self.schedule not in SCHEDULES or not self.observes <= OBSERVABLE:  # the class's own declarations
             raise ValueError(f"{type(self).__name__}: schedule must be one of {SCHEDULES} and observes a subset of "
                              f"{sorted(OBSERVABLE)}, got {self.schedule!r}, {sorted(self.observes)}")
