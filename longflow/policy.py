@@ -4,8 +4,8 @@ A method is a `KVPolicy` subclass (a dataclass whose fields are its config, chec
 `__post_init__`) that writes `score(obs)`: per-slot scores `[B, Hkv, S]`, higher = keep, from an
 `Observation` of one layer (its slots, the step's attention, the recent queries, the per-slot
 state it declared). It may also say what it protects (`protected`), how it compresses a prompt
-longer than its budget (`prefill_scores`, default SnapKV) and which per-slot state it keeps
-(`slot_state`). Its `schedule` says when it runs:
+longer than its budget (the `prefill` field: SnapKV or its own score; or a `prefill_scores` of its
+own) and which per-slot state it keeps (`slot_state`). Its `schedule` says when it runs:
 
 - `step`: every decode step, per layer: the step's attention, then the next slot is chosen by the
   one rule of `longflow.selection` (free slots first, protected last, lowest score);
@@ -21,14 +21,17 @@ itself; the full cache appends).
 Call order, driven by the engine (`longflow.engine`) through `PolicyCache` and the `kv_policy`
 attention function (`longflow.cache`):
 
-    allocate(spec)                        once per batch
+    allocate(spec)                        once per batch: a fresh `BatchState`
     begin_prefill(pad, positions)         host, before the prompt forward
-      per layer: store(...) then attend(...)
+      per layer: store(...) then attend(...), which stores the kept prompt tokens
+                                          (prefill_scores when the prompt is cut, then
+                                          on_prompt_stored(layer, kept, scores))
       observe(logits, hidden_states)      after the forward, for policies that ask (`observes`)
     begin_decode(positions)               host, once; `positions` is the engine's static tensor
       before_step(step)                   host, before each step: True if the step must run eagerly
       per step, per layer: store(...) then attend(...); then observe(...)
-      after_step(step)                    host, between steps (interval methods compress here)
+      after_step(step)                    host, between steps (interval methods compress here);
+                                          `positions` already holds the next step's positions
 
 Continuous batching (`Engine.serve`) allocates one policy for its rows and calls
 `begin_serving(positions)` instead of prefilling it; between steps, `admit(rows, staged)` copies in
