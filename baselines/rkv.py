@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from longflow.errors import UserError
-from longflow.policy import VARIANTS, CacheSpec, KVPolicy, Observation, one_of, shrink_interval
+from longflow.policy import CacheSpec, KVPolicy, Observation, one_of, shrink_interval
 from longflow.selection import choose_keep, chosen_mask
 
 BUDGET_MODES = ("cap", "target")
@@ -157,7 +157,7 @@ def lf_repo_scores(
 
 
 @dataclass(eq=False)
-class RKVPolicy(KVPolicy):
+class RKV(KVPolicy):
     """R-KV (Cai et al. 2025) over static slot buffers.
 
     Variants (`variant`):
@@ -221,8 +221,10 @@ class RKVPolicy(KVPolicy):
     to the model dtype); each row is cut when its own cache is full and only real tokens are held,
     where their batched cache cuts all rows together and counts, scores and keeps left padding.
 
-    As the scorer of another method (AMS), `score` is the `paper` score of the slots held, with
-    the W newest queries; it needs no budget.
+    Each variant is its own class over the shared fields (`RKV`): `RKVPolicy` (paper) and
+    `RKVLfRepoPolicy` (lf_repo); a method config names `RKVPolicy` and its `variant` picks the class
+    (`KVPolicy.variant_classes`). As the scorer of another method (AMS), `RKVPolicy.score` is the
+    `paper` score of the slots held, with the W newest queries; it needs no budget.
     """
 
     variant: str = "paper"
@@ -239,34 +241,53 @@ class RKVPolicy(KVPolicy):
 
     name = "rkv"
     schedule = "interval"
+    variant_classes = {"paper": "baselines.rkv.RKVPolicy", "lf_repo": "baselines.rkv.RKVLfRepoPolicy"}
 
     def __post_init__(self):
         super().__post_init__()
-        one_of(self.name, "variant", self.variant, VARIANTS)
         one_of(self.name, "budget_mode", self.budget_mode, BUDGET_MODES)
         if not 0.0 <= self.lam <= 1.0:
             raise UserError(f"rkv: lam must be in [0, 1], got {self.lam}")
         if self.compress_every < 1:
             raise UserError(f"rkv: compress_every must be >= 1, got {self.compress_every}")
-        self.cutting: list[int] = []  # lf_repo: rows cut inside the coming step
-        if self.variant == "paper":
-            # W window queries, pool kernel, P protected newest tokens, in force
-            self.queries_held, self.pool_kernel, self.protect = self.window, self.kernel, self.window
-            self.shared_selection = False
-            self._check_window()
-            if self.budget is not None:
-                self._paper_sizes()
-        else:
-            if self.lf_margin < 1:
-                raise UserError(f"rkv: lf_margin must be >= 1 (the slot a cutting step stores into), "
-                                f"got {self.lf_margin}")
-            if self.lf_protect < 1:
-                raise UserError(f"rkv: lf_protect must be >= 1, got {self.lf_protect}")
-            self.queries_held, self.pool_kernel, self.protect = self.lf_queries, self.lf_kernel, self.lf_protect
-            self.shared_selection = True
-            self._check_window()
-            if self.budget is not None:
-                self._lf_repo_sizes()
+
+    def _check_window(self) -> None:
+        if self.queries_held < 1 or self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
+            raise UserError(
+                f"rkv needs a window >= 1 and an odd pool kernel, got {self.queries_held}, {self.pool_kernel}"
+            )
+
+    # ---- sizes -------------------------------------------------------------------------------
+
+    def capacity(self, spec: CacheSpec) -> int:
+        super().capacity(spec)  # the budget is set
+        return self.slots_held
+
+    def query_window(self) -> int:
+        return self.queries_held
+
+    def prompt_cut(self, length: int) -> bool:
+        """Whether a row's prompt of `length` real tokens is compressed at prefill."""
+        raise NotImplementedError
+
+    def held_after_prompt(self, length: int) -> int:
+        return self.keep_after if self.prompt_cut(length) else length
+
+
+@dataclass(eq=False)
+class RKVPolicy(RKV):
+    """R-KV `paper` (see `RKV`): the base class's interval schedule, cut by `rkv_scores`."""
+
+    own_variant = "paper"
+
+    def __post_init__(self):
+        super().__post_init__()
+        # W window queries, pool kernel, P protected newest tokens, in force
+        self.queries_held, self.pool_kernel, self.protect = self.window, self.kernel, self.window
+        self.shared_selection = False
+        self._check_window()
+        if self.budget is not None:
+            self._paper_sizes()
 
     def _paper_sizes(self) -> None:
         budget = self.budget
@@ -290,72 +311,14 @@ class RKVPolicy(KVPolicy):
                 f"compress_every={interval}, variant=paper)"
             )
 
-    def _lf_repo_sizes(self) -> None:
-        budget, margin = self.budget, self.lf_margin
-        if budget - margin - 2 * self.protect < 1:
-            # Their code needs budget > 2 * 128 + 4; a smaller budget (the demo's, a small sweep
-            # point) keeps the schedule with a protected tail of a quarter of the budget.
-            shrunk = max(1, (budget - margin) // 4)
-            warnings.warn(f"rkv: budget {budget} leaves no room for lf_protect={self.protect}; using {shrunk}",
-                          stacklevel=4)
-            self.protect = shrunk
-        self.hold_limit = budget - margin  # most tokens a query attends to
-        self.slots_held = self.hold_limit + 1
-        self.keep_after = self.hold_limit - self.protect  # tokens a cut keeps
-        self.keep_scored = self.hold_limit - 2 * self.protect  # of which chosen by score
-        if self.keep_scored < 1:
-            raise UserError(f"rkv: budget {budget} too small for lf_repo: a cut keeps {self.keep_scored} "
-                            f"scored tokens (budget - lf_margin - 2 * lf_protect)")
-
-    def _check_window(self) -> None:
-        if self.queries_held < 1 or self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
-            raise UserError(
-                f"rkv needs a window >= 1 and an odd pool kernel, got {self.queries_held}, {self.pool_kernel}"
-            )
-
-    # ---- sizes -------------------------------------------------------------------------------
-
-    def capacity(self, spec: CacheSpec) -> int:
-        super().capacity(spec)  # the budget is set
-        return self.slots_held
-
-    def query_window(self) -> int:
-        return self.queries_held
-
     def prompt_cut(self, length: int) -> bool:
-        """Whether a row's prompt of `length` real tokens is compressed at prefill."""
-        if self.variant == "lf_repo":
-            return length > self.hold_limit
         limit = self.slots_held - 1 if self.budget_mode == "cap" else self.keep_after
         return length > limit
 
-    def held_after_prompt(self, length: int) -> int:
-        return self.keep_after if self.prompt_cut(length) else length
-
     def prefill_keep(self, spec: CacheSpec) -> int:
-        """paper: the most prompt tokens a row keeps (an uncut row all of its own, at most capacity - 1
+        """The most prompt tokens a row keeps (an uncut row all of its own, at most capacity - 1
         under the cap, the target under `target`); the cut rows keep `keep_after` of them."""
         return self.keep_after if self.budget_mode == "target" else super().prefill_keep(spec)
-
-    # ---- lifecycle ---------------------------------------------------------------------------
-
-    def allocate(self, spec: CacheSpec) -> None:
-        super().allocate(spec)
-        self.cutting = []
-
-    def before_step(self, step: int) -> bool:
-        """lf_repo: the rows whose token of this step would exceed budget - lf_margin are cut in it."""
-        if self.variant == "lf_repo":
-            self.cutting = [row for row, n in enumerate(self.held) if n + 1 > self.hold_limit]
-        return bool(self.cutting)
-
-    def after_step(self, step: int) -> None:
-        """Every row stored one token. paper: the base class cuts the rows whose slots are now all held."""
-        if self.variant == "paper":
-            return super().after_step(step)
-        cut = set(self.cutting)
-        self.held = [self.keep_after if row in cut else n + 1 for row, n in enumerate(self.held)]
-        self.cutting = []
 
     # ---- the score -----------------------------------------------------------------------------
 
@@ -364,13 +327,6 @@ class RKVPolicy(KVPolicy):
         queries: +inf on the W newest slots, -inf on the slots not held."""
         queries, _, query_valid = obs.queries(self.queries_held)
         return self._chunked_scores(queries, query_valid, obs.keys, obs.valid, obs.scale)
-
-    # ---- prefill -----------------------------------------------------------------------------
-
-    def store_prompt(self, layer, q, k, v, scale) -> None:
-        if self.variant == "lf_repo":
-            return self._store_prompt_lf_repo(layer, q, k, v)
-        return super().store_prompt(layer, q, k, v, scale)
 
     def prefill_scores(self, layer, q, k, v, scale) -> torch.Tensor:
         """`[B, Hkv, L]`: R-KV scores of the prompt with its last W queries as the window. In the
@@ -405,14 +361,7 @@ class RKVPolicy(KVPolicy):
             for i in range(0, keys.shape[0], step)
         ])
 
-    # ---- decode ------------------------------------------------------------------------------
-
-    def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attend over the held slots, point at the first free slot: static, except in the lf_repo
-        steps named by `before_step`, which cut first (with this step's query, already recorded)."""
-        if self.cutting:  # lf_repo, an eager step: cut before attention
-            self._cut_in_step(layer)
-        return super().decode(layer, q, scale)
+    # ---- interval compression ----------------------------------------------------------------
 
     def keep_masks(self, rows: torch.Tensor) -> Iterator[torch.Tensor]:
         """The slots a cut of `rows` keeps in each layer (`[n, Hkv, S]` bool): `keep_after` by the
@@ -433,7 +382,77 @@ class RKVPolicy(KVPolicy):
             keep = chosen_mask(choose_keep(scores, held, self.keep_after), held)  # [n*g, Hkv, S]
             yield from keep.split(count)
 
-    # ---- lf_repo -----------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class RKVLfRepoPolicy(RKV):
+    """R-KV `lf_repo` (see `RKV`): cut inside the decode step by `lf_repo_scores`, in cache order."""
+
+    variant: str = "lf_repo"
+
+    own_variant = "lf_repo"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.lf_margin < 1:
+            raise UserError(f"rkv: lf_margin must be >= 1 (the slot a cutting step stores into), "
+                            f"got {self.lf_margin}")
+        if self.lf_protect < 1:
+            raise UserError(f"rkv: lf_protect must be >= 1, got {self.lf_protect}")
+        self.queries_held, self.pool_kernel, self.protect = self.lf_queries, self.lf_kernel, self.lf_protect
+        self.shared_selection = True
+        self._check_window()
+        if self.budget is not None:
+            self._lf_repo_sizes()
+        self.cutting: list[int] = []  # rows cut inside the coming step (host, per step)
+
+    def _lf_repo_sizes(self) -> None:
+        budget, margin = self.budget, self.lf_margin
+        if budget - margin - 2 * self.protect < 1:
+            # Their code needs budget > 2 * 128 + 4; a smaller budget (the demo's, a small sweep
+            # point) keeps the schedule with a protected tail of a quarter of the budget.
+            shrunk = max(1, (budget - margin) // 4)
+            warnings.warn(f"rkv: budget {budget} leaves no room for lf_protect={self.protect}; using {shrunk}",
+                          stacklevel=4)
+            self.protect = shrunk
+        self.hold_limit = budget - margin  # most tokens a query attends to
+        self.slots_held = self.hold_limit + 1
+        self.keep_after = self.hold_limit - self.protect  # tokens a cut keeps
+        self.keep_scored = self.hold_limit - 2 * self.protect  # of which chosen by score
+        if self.keep_scored < 1:
+            raise UserError(f"rkv: budget {budget} too small for lf_repo: a cut keeps {self.keep_scored} "
+                            f"scored tokens (budget - lf_margin - 2 * lf_protect)")
+
+    def prompt_cut(self, length: int) -> bool:
+        return length > self.hold_limit
+
+    # ---- the schedule --------------------------------------------------------------------------
+
+    def allocate(self, spec: CacheSpec) -> None:
+        super().allocate(spec)
+        self.cutting = []
+
+    def before_step(self, step: int) -> bool:
+        """The rows whose token of this step would exceed budget - lf_margin are cut in it."""
+        self.cutting = [row for row, n in enumerate(self.held) if n + 1 > self.hold_limit]
+        return bool(self.cutting)
+
+    def after_step(self, step: int) -> None:
+        """Every row stored one token; the rows cut in the step hold `keep_after`."""
+        cut = set(self.cutting)
+        self.held = [self.keep_after if row in cut else n + 1 for row, n in enumerate(self.held)]
+        self.cutting = []
+
+    def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attend over the held slots, point at the first free slot: static, except in the steps named
+        by `before_step`, which cut first (with this step's query, already recorded)."""
+        if self.cutting:  # an eager step: cut before attention
+            self._cut_in_step(layer)
+        return super().decode(layer, q, scale)
+
+    # ---- prefill -----------------------------------------------------------------------------
+
+    def store_prompt(self, layer, q, k, v, scale) -> None:
+        self._store_prompt_lf_repo(layer, q, k, v)
 
     def _store_prompt_lf_repo(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Stores each row's prompt in the low slots: whole, or, for a row of more than budget -

@@ -40,11 +40,12 @@ the table of an unpadded row, i.e. a row behaves as it does alone in their code.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from longflow.errors import UserError
-from longflow.policy import VARIANTS, CacheSpec, KVPolicy, Observation, one_of
+from longflow.policy import CacheSpec, KVPolicy, Observation
 from longflow.rotary import rotate_half
 from longflow.selection import sink_mask
 
@@ -69,9 +70,10 @@ def sink_rerotation(rotary, window: int, n_sink: int, dtype: torch.dtype,
 
 @dataclass(eq=False)
 class StreamingPolicy(KVPolicy):
-    """StreamingLLM (see the module docstring). Fields: `variant`, `n_sink` (paper), `lf_n_sink` (lf_repo).
+    """StreamingLLM `paper` (see the module docstring). Fields: `variant`, `n_sink` (paper),
+    `lf_n_sink` (lf_repo); the config's `variant` picks the class (`StreamingLfRepoPolicy`).
 
-    `self.sinks` is the number of sinks in force: `n_sink` or, for `lf_repo`, `lf_n_sink`.
+    `self.sinks` is the number of sinks in force: `n_sink`, or for `lf_repo`, `lf_n_sink`.
     """
 
     variant: str = "paper"
@@ -81,30 +83,62 @@ class StreamingPolicy(KVPolicy):
     name = "streaming"
     shared_selection = True  # positions are the same in every head
     step_probs = False  # the score is the position
+    variant_classes = {"paper": "baselines.streaming.StreamingPolicy",
+                       "lf_repo": "baselines.streaming.StreamingLfRepoPolicy"}
+    own_variant = "paper"
+    sink_field: ClassVar[str] = "n_sink"  # the field of the sinks in force
+    # The least budget beyond the sinks: the newest token.
+    least_window: ClassVar[int] = 1
 
     def __post_init__(self):
         super().__post_init__()
-        one_of(self.name, "variant", self.variant, VARIANTS)
-        field = "n_sink" if self.variant == "paper" else "lf_n_sink"
-        sinks = getattr(self, field)
+        sinks = getattr(self, self.sink_field)
         if sinks < 0:
-            raise UserError(f"{self.name}: {field} must be >= 0, got {sinks}")
-        # lf_repo: SinkCache keeps the last window - sinks - 1 keys when it slides; with none, its
-        # slice `[-window + sinks + 1:]` would keep the whole cache.
-        least = sinks + 1 if self.variant == "paper" else sinks + 2
+            raise UserError(f"{self.name}: {self.sink_field} must be >= 0, got {sinks}")
+        least = sinks + self.least_window
         if self.budget is not None and self.budget < least:
-            raise UserError(f"{self.name}: budget ({self.budget}) must be at least {least} with {field}={sinks}")
+            raise UserError(f"{self.name}: budget ({self.budget}) must be at least {least} with "
+                            f"{self.sink_field}={sinks}")
         self.sinks = sinks
 
-    def allocate(self, spec: CacheSpec) -> None:
-        super().allocate(spec)
-        if self.variant == "lf_repo":
-            if spec.rotary is None:
-                raise UserError(f"{self.name} lf_repo re-rotates cached keys: the model needs a rotary embedding")
-            self.rerotation = sink_rerotation(spec.rotary, self.budget, self.sinks, spec.dtype, spec.device)
+    def prefill_scores(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Newer is better, sinks always: the score of a prompt token is its position."""
+        positions = self.prompt_positions[:, None, :].float()  # [B, 1, L]
+        scores = positions.masked_fill(sink_mask(self.prompt_positions[:, None, :], self.sinks), float("inf"))
+        scores = scores.masked_fill(~self.pad[:, None, :], float("-inf"))
+        return scores.expand(-1, k.shape[1], -1)  # [B, Hkv, L]
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        """Newer is better: a slot's score is its position (the oldest non-sink slot goes next)."""
+        return obs.positions
+
+    def protected(self, obs: Observation) -> torch.Tensor:
+        """The sinks (free slots, position -1, come out True and stay free)."""
+        return sink_mask(obs.positions, self.sinks)
+
+
+@dataclass(eq=False)
+class StreamingLfRepoPolicy(StreamingPolicy):
+    """StreamingLLM `lf_repo` (see the module docstring): `lf_n_sink` sinks, and the kept keys re-rotated
+    as transformers' SinkCache does."""
+
+    variant: str = "lf_repo"
+
+    own_variant = "lf_repo"
+    sink_field = "lf_n_sink"
+    # SinkCache keeps the last window - sinks - 1 keys when it slides; with none, its slice
+    # `[-window + sinks + 1:]` would keep the whole cache.
+    least_window = 2
+
+    def prepare(self, spec: CacheSpec) -> None:
+        if spec.rotary is None:
+            raise UserError(f"{self.name} lf_repo re-rotates cached keys: the model needs a rotary embedding")
+        self.rerotation = sink_rerotation(spec.rotary, self.budget, self.sinks, spec.dtype, spec.device)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.variant == "lf_repo" and not self.prefilling:
+        if not self.prefilling:
             self._rerotate(layer)
         return super().store(layer, k, v)
 
@@ -127,20 +161,3 @@ class StreamingPolicy(KVPolicy):
         keys = slots.keys
         rotated = keys * back_cos[index] + rotate_half(keys) * back_sin[index]
         keys.copy_(torch.where(moves[..., None], rotated, keys))
-
-    def prefill_scores(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        """Newer is better, sinks always: the score of a prompt token is its position."""
-        positions = self.prompt_positions[:, None, :].float()  # [B, 1, L]
-        scores = positions.masked_fill(sink_mask(self.prompt_positions[:, None, :], self.sinks), float("inf"))
-        scores = scores.masked_fill(~self.pad[:, None, :], float("-inf"))
-        return scores.expand(-1, k.shape[1], -1)  # [B, Hkv, L]
-
-    def score(self, obs: Observation) -> torch.Tensor:
-        """Newer is better: a slot's score is its position (the oldest non-sink slot goes next)."""
-        return obs.positions
-
-    def protected(self, obs: Observation) -> torch.Tensor:
-        """The sinks (free slots, position -1, come out True and stay free)."""
-        return sink_mask(obs.positions, self.sinks)

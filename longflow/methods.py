@@ -46,22 +46,26 @@ def _instantiate(config: dict[str, Any]) -> functools.partial:
         raise UserError(str(error).splitlines()[0]) from None
 
 
-def method_factory(config: Mapping[str, Any]) -> functools.partial:
-    """The class `config` names with its fields bound: call it with the run's budget."""
-    label = config.get("name", "?")
+def method_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a method config, `_target_` the class of its variant where the class it names
+    writes its variants as classes of their own (`KVPolicy.variant_classes`)."""
     fields = {key: value for key, value in config.items() if key != "name"}
     if TARGET not in fields:
-        raise UserError(f"method {label!r}: its config names no class (`_target_`)")
-    return _instantiate(fields)
+        raise UserError(f"method {config.get('name', '?')!r}: its config names no class (`_target_`)")
+    variants = getattr(locate(fields[TARGET]), "variant_classes", {})
+    if fields.get("variant") in variants:
+        fields[TARGET] = variants[fields["variant"]]
+    return fields
+
+
+def method_factory(config: Mapping[str, Any]) -> functools.partial:
+    """The class `config` names (or its variant's) with its fields bound: call it with the run's budget."""
+    return _instantiate(method_fields(config))
 
 
 def uses_budget(config: Mapping[str, Any]) -> bool:
     """Whether the run's budget bounds the method of `config` (its class's `uses_budget`)."""
-    fields = {key: value for key, value in config.items() if key != "name"}
-    if TARGET not in fields:
-        raise UserError(f"method {config.get('name', '?')!r}: its config names no class (`_target_`)")
-    target = locate(fields[TARGET])
-    return getattr(target, "uses_budget", True)
+    return getattr(locate(method_fields(config)[TARGET]), "uses_budget", True)
 
 
 def build_policy(config: Mapping[str, Any], budget: int | None) -> KVPolicy:

@@ -4,8 +4,8 @@ A method is a `KVPolicy` subclass (a dataclass whose fields are its config, chec
 `__post_init__`) that writes `score(obs)`: per-slot scores `[B, Hkv, S]`, higher = keep, from an
 `Observation` of one layer (its slots, the step's attention, the recent queries, the per-slot
 state it declared). It may also say what it protects (`protected`), how it compresses a prompt
-longer than its budget (`prefill_scores`, default SnapKV) and which per-slot state it keeps
-(`slot_state`). Its `schedule` says when it runs:
+longer than its budget (the `prefill` field: SnapKV or its own score; or a `prefill_scores` of its
+own) and which per-slot state it keeps (`slot_state`). Its `schedule` says when it runs:
 
 - `step`: every decode step, per layer: the step's attention, then the next slot is chosen by the
   one rule of `longflow.selection` (free slots first, protected last, lowest score);
@@ -21,14 +21,17 @@ itself; the full cache appends).
 Call order, driven by the engine (`longflow.engine`) through `PolicyCache` and the `kv_policy`
 attention function (`longflow.cache`):
 
-    allocate(spec)                        once per batch
+    allocate(spec)                        once per batch: a fresh `BatchState`
     begin_prefill(pad, positions)         host, before the prompt forward
-      per layer: store(...) then attend(...)
+      per layer: store(...) then attend(...), which stores the kept prompt tokens
+                                          (prefill_scores when the prompt is cut, then
+                                          on_prompt_stored(layer, kept, scores))
       observe(logits, hidden_states)      after the forward, for policies that ask (`observes`)
     begin_decode(positions)               host, once; `positions` is the engine's static tensor
       before_step(step)                   host, before each step: True if the step must run eagerly
       per step, per layer: store(...) then attend(...); then observe(...)
-      after_step(step)                    host, between steps (interval methods compress here)
+      after_step(step)                    host, between steps (interval methods compress here);
+                                          `positions` already holds the next step's positions
 
 Continuous batching (`Engine.serve`) allocates one policy for its rows and calls
 `begin_serving(positions)` instead of prefilling it; between steps, `admit(rows, staged)` copies in
@@ -327,6 +330,11 @@ class KVPolicy:
     # Whether the run's `budget` bounds this method (False: the full cache, which holds every token
     # and records no budget). `build_policy` reads it, so no caller decides by the method's name.
     uses_budget: ClassVar[bool] = True
+    # Variants written as classes of their own: `variant` value -> the class's dotted path. A method
+    # config that names this class and such a variant builds that class (`longflow.methods`); each
+    # of them computes its `own_variant`.
+    variant_classes: ClassVar[dict[str, str]] = {}
+    own_variant: ClassVar[str | None] = None
 
     # The per-batch state, through the policy (see `BatchState`).
     slots = OfBatch()
@@ -348,6 +356,13 @@ class KVPolicy:
         if self.prefill != "snapkv" and self.has_prompt_rule():
             raise UserError(f"{self.name} cuts a prompt by its own rule (its prefill_scores); prefill must stay "
                             f"'snapkv', got {self.prefill!r}")
+        if self.variant_classes:
+            variant = getattr(self, "variant", None)
+            one_of(self.name, "variant", variant, tuple(self.variant_classes))
+            if variant != self.own_variant:
+                raise UserError(f"{self.name}: variant {variant} is the class "
+                                f"{self.variant_classes[variant].rpartition('.')[2]} (a method config picks it by "
+                                "its variant)")
         if self.schedule not in SCHEDULES or not self.observes <= OBSERVABLE:  # the class's own declarations
             raise ValueError(f"{type(self).__name__}: schedule must be one of {SCHEDULES} and observes a subset of "
                              f"{sorted(OBSERVABLE)}, got {self.schedule!r}, {sorted(self.observes)}")

@@ -12,7 +12,7 @@ import torch
 import yaml
 from helpers import VARIANTS, capped, method_defaults, policy_of, tiny_model
 
-from baselines.rkv import RKVPolicy, lf_repo_scores
+from baselines.rkv import RKVLfRepoPolicy, RKVPolicy, lf_repo_scores
 from baselines.vanilla import VanillaPolicy
 from longflow.config import GenerationConfig
 from longflow.engine import Engine
@@ -47,7 +47,7 @@ def test_large_budget_matches_vanilla(tiny, variant, budget_mode):
     generation = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     batch = prompts((7, 30, 18))
     full = Engine(model, VanillaPolicy, [], tokenizer.pad_token_id).generate(batch, generation, [0, 1, 2])
-    policy = lambda: RKVPolicy(512, variant=variant, budget_mode=budget_mode)  # noqa: E731
+    policy = lambda: policy_of("rkv", 512, variant=variant, budget_mode=budget_mode)  # noqa: E731
     result = Engine(model, policy, [], tokenizer.pad_token_id).generate(batch, generation, [0, 1, 2])
     assert result.tokens == full.tokens
     assert result.peak_slots == [len(p) + 23 for p in batch]
@@ -140,15 +140,16 @@ def test_config_builds_the_policy():
     assert isinstance(policy, RKVPolicy)
     assert (policy.variant, policy.queries_held, policy.pool_kernel, policy.lam) == ("paper", 8, 7, 0.1)
     assert (policy.slots_held, policy.keep_after, policy.shared_selection) == (512, 384, False)
-    lf = RKVPolicy(512, variant="lf_repo")
+    lf = policy_of("rkv", 512, variant="lf_repo")
+    assert type(lf) is RKVLfRepoPolicy and lf.variant == "lf_repo"  # the config's variant picks the class
     lf_fields = (lf.queries_held, lf.pool_kernel, lf.protect, lf.keep_after, lf.shared_selection)
     assert lf_fields == (9, 5, 128, 380, True)
     target = RKVPolicy(512, budget_mode="target")
     assert (target.slots_held, target.keep_after) == (639, 512)
 
 
-@pytest.mark.parametrize("bad", [dict(variant="x"), dict(budget_mode="x"), dict(budget=8), dict(kernel=4),
-                                 dict(budget_mode="target", compress_every=1)])
+@pytest.mark.parametrize("bad", [dict(variant="x"), dict(variant="lf_repo"), dict(budget_mode="x"), dict(budget=8),
+                                 dict(kernel=4), dict(budget_mode="target", compress_every=1)])
 def test_invalid_settings(bad):
     with pytest.raises(UserError):
         RKVPolicy(**{"budget": 512, **bad})
@@ -485,7 +486,7 @@ def test_lf_repo_cuts_inside_the_step_like_the_authors_cache():
     v = torch.randn(batch, kv_heads, length, dim)
     steps = [(torch.randn(batch, q_heads, 1, dim), torch.randn(batch, kv_heads, 1, dim),
               torch.randn(batch, kv_heads, 1, dim)) for _ in range(45)]
-    policy = capped(RKVPolicy)(budget, variant="lf_repo", lf_queries=queries, lf_kernel=kernel,
+    policy = capped(RKVLfRepoPolicy)(budget, lf_queries=queries, lf_kernel=kernel,
                                lf_protect=protect, lf_margin=margin, lam=0.1)
     policy.allocate(CacheSpec(batch=batch, layers=1, q_heads=q_heads, kv_heads=kv_heads, head_dim=dim,
                               prompt_len=length, max_new_tokens=len(steps) + 1, dtype=torch.float32,
@@ -519,7 +520,7 @@ def test_lf_repo_cuts_inside_the_step_like_the_authors_cache():
     assert [step for step, flag in enumerate(eager) if flag] == cut_steps and len(cut_steps) >= 6
 
 
-class CheckedRKVRepo(capped(RKVPolicy)):
+class CheckedRKVRepo(capped(RKVLfRepoPolicy)):
     """The hard cap (`capped`), what a query attends to, and the `protect` newest at every attention."""
 
     def attend(self, layer, q, k, v, scale):
@@ -541,7 +542,7 @@ def test_lf_repo_small_budget_in_the_engine(qwen3):
     made = []
 
     def factory():
-        made.append(CheckedRKVRepo(40, variant="lf_repo", lf_protect=6))
+        made.append(CheckedRKVRepo(40, lf_protect=6))
         return made[-1]
 
     generation = GenerationConfig(max_new_tokens=48, ignore_eos=True)
@@ -555,8 +556,8 @@ def test_lf_repo_small_budget_in_the_engine(qwen3):
 
 def test_lf_repo_budget_below_their_minimum_shrinks_the_protected_tail():
     with pytest.warns(UserWarning, match="using 15"):
-        policy = RKVPolicy(64, variant="lf_repo")
+        policy = RKVLfRepoPolicy(64)
     assert (policy.protect, policy.slots_held, policy.keep_after, policy.keep_scored) == (15, 61, 45, 30)
-    assert RKVPolicy(261, variant="lf_repo").keep_scored == 1  # their smallest working cache_budget
+    assert RKVLfRepoPolicy(261).keep_scored == 1  # their smallest working cache_budget
     with pytest.raises(UserError, match="lf_margin"):
-        RKVPolicy(512, variant="lf_repo", lf_margin=0)
+        RKVLfRepoPolicy(512, lf_margin=0)

@@ -11,7 +11,7 @@ from helpers import LONG_TEXTS, VARIANTS, capped, drive_layer, generate, method_
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from baselines.streaming import StreamingPolicy, sink_rerotation
+from baselines.streaming import StreamingLfRepoPolicy, StreamingPolicy, sink_rerotation
 from longflow.errors import UserError
 from longflow.methods import locate
 from longflow.policy import CacheSpec
@@ -25,26 +25,30 @@ def streaming_window(newest: int, budget: int, n_sink: int) -> set[int]:
     return set(range(min(n_sink, newest + 1))) | set(window)
 
 
-class CheckedStreaming(capped(StreamingPolicy)):
-    """The hard cap (`capped`), and exactly the sinks + window after every attend."""
+def checked(cls):
+    """`cls` with the hard cap (`capped`), and exactly the sinks + window after every attend."""
 
-    def attend(self, layer, q, k, v, scale):
-        out = super().attend(layer, q, k, v, scale)
-        slots = self.layers[layer]
-        # after prefill, one slot is left for the first decode token
-        newest = self.pad.sum(dim=-1) - 1 if self.prefilling else self.positions
-        budget = self.budget - 1 if self.prefilling else self.budget
-        for row, last in enumerate(newest.tolist()):
-            for head in range(slots.valid.shape[1]):
-                held = slots.positions[row, head][slots.valid[row, head]].tolist()
-                assert sorted(held) == sorted(streaming_window(last, budget, self.sinks))
-        return out
+    class CheckedStreaming(capped(cls)):
+        def attend(self, layer, q, k, v, scale):
+            out = super().attend(layer, q, k, v, scale)
+            slots = self.layers[layer]
+            # after prefill, one slot is left for the first decode token
+            newest = self.pad.sum(dim=-1) - 1 if self.prefilling else self.positions
+            budget = self.budget - 1 if self.prefilling else self.budget
+            for row, last in enumerate(newest.tolist()):
+                for head in range(slots.valid.shape[1]):
+                    held = slots.positions[row, head][slots.valid[row, head]].tolist()
+                    assert sorted(held) == sorted(streaming_window(last, budget, self.sinks))
+            return out
+
+    return CheckedStreaming
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_budget_cap_and_window_at_every_step(tiny, variant):
     sinks = {} if variant == "paper" else {"lf_n_sink": 4}  # lf_repo's 32 sinks exceed this budget
-    prompts, result = generate(tiny, lambda: CheckedStreaming(12, variant=variant, **sinks), LONG_TEXTS)
+    cls = StreamingPolicy if variant == "paper" else StreamingLfRepoPolicy
+    prompts, result = generate(tiny, lambda: checked(cls)(12, **sinks), LONG_TEXTS)
     assert min(map(len, prompts)) > 12  # prefill compression runs
     assert result.peak_slots == [12, 12]
 
@@ -112,10 +116,13 @@ def test_config_and_validation():
         with pytest.raises(UserError):
             StreamingPolicy(16, **bad)
     assert policy_of("streaming", 34, variant="lf_repo").sinks == 32
+    assert type(policy_of("streaming", 34, variant="lf_repo")) is StreamingLfRepoPolicy
+    with pytest.raises(UserError, match="StreamingLfRepoPolicy"):
+        StreamingPolicy(34, variant="lf_repo")
     for bad in (dict(lf_n_sink=-1), dict(lf_n_sink=32)):  # lf_repo needs budget >= lf_n_sink + 2
         with pytest.raises(UserError):
-            StreamingPolicy(33, variant="lf_repo", **bad)
-    policy = StreamingPolicy(34, variant="lf_repo")
+            StreamingLfRepoPolicy(33, **bad)
+    policy = StreamingLfRepoPolicy(34)
     with pytest.raises(UserError, match="rotary"):
         policy.allocate(CacheSpec(batch=1, layers=1, q_heads=2, kv_heads=1, head_dim=4, prompt_len=4,
                                   max_new_tokens=8, dtype=torch.float32, device=torch.device("cpu")))
@@ -190,7 +197,7 @@ def test_lf_repo_matches_the_sink_cache_transcription(scaled):
     k, v = torch.randn(2, batch, kv_heads, length, HEAD_DIM)
     steps = [(torch.randn(batch, q_heads, 1, HEAD_DIM), *torch.randn(2, batch, kv_heads, 1, HEAD_DIM))
              for _ in range(30)]
-    policy = StreamingPolicy(window, variant="lf_repo", lf_n_sink=sinks)
+    policy = StreamingLfRepoPolicy(window, lf_n_sink=sinks)
     held, outputs = drive_layer(policy, q, k, v, pad, steps, scale, rotary=rotary)
     slots = policy.layers[0]
     for b, n in enumerate(lengths):
