@@ -32,6 +32,7 @@ attention function (`longflow.cache`):
       per step, per layer: store(...) then attend(...); then observe(...)
       after_step(step)                    host, between steps (interval methods compress here);
                                           `positions` already holds the next step's positions
+                                          (a compression's `Observation.newest` is `written(rows)`)
 
 Continuous batching (`Engine.serve`) allocates one policy for its rows and calls
 `begin_serving(positions)` instead of prefilling it; between steps, `admit(rows, staged)` copies in
@@ -144,10 +145,11 @@ class Observation:
     """
 
     def __init__(self, policy: KVPolicy, layer: int, rows: torch.Tensor | None = None,
-                 probs: torch.Tensor | None = None):
+                 probs: torch.Tensor | None = None, newest: torch.Tensor | None = None):
         self.policy, self.layer, self.rows = policy, layer, rows
         self.slots: LayerSlots = policy.layers[layer]
         self._probs = probs
+        self._newest = newest  # `[n]`, given where the engine's positions are not the written token's
 
     def _select(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.rows is None else tensor.index_select(0, self.rows)
@@ -170,7 +172,7 @@ class Observation:
 
     @property
     def newest(self) -> torch.Tensor:
-        return self._select(self.policy.positions)
+        return self._select(self.policy.positions) if self._newest is None else self._newest
 
     @property
     def spec(self) -> CacheSpec:
@@ -659,8 +661,14 @@ class KVPolicy:
     def keep_masks(self, rows: torch.Tensor) -> Iterator[torch.Tensor]:
         """The slots a compression of `rows` `[n]` keeps in each layer, `[n, Hkv, S]` bool, layer by
         layer (a method that scores several layers at once overrides this)."""
+        newest = self.written(rows)
         for layer in range(self.spec.layers):
-            yield self.keep_mask(Observation(self, layer, rows=rows), self.keep_after)
+            yield self.keep_mask(Observation(self, layer, rows=rows, newest=newest), self.keep_after)
+
+    def written(self, rows: torch.Tensor) -> torch.Tensor:
+        """The position of the newest token `rows` `[n]` hold, between steps: the engine's positions
+        have moved on to the token the next step writes by the time `after_step` runs."""
+        return self.positions.index_select(0, rows) - 1
 
     def keep_mask(self, obs: Observation, count: int) -> torch.Tensor:
         """The slots a compression keeps, `[n, Hkv, S]` bool: `count` of them by the selection rule."""

@@ -204,7 +204,7 @@ def full_cache(policy: AMSPolicy, batch=2, kv_heads=2, q_heads=4, slots=64, head
     older = gaps.cumsum(dim=-1) - 1
     positions = torch.cat([older, older[:, -1:] + 1 + torch.arange(40)], dim=-1)  # the 40 newest contiguous
     layer.positions.copy_(positions[:, None, :].expand(-1, kv_heads, -1))
-    policy.positions = positions[:, -1].clone()  # the newest token of each row
+    policy.positions = positions[:, -1] + 1  # between steps (after_step) the engine's positions are the next token's
     policy.prefilling = False
     ring = policy.history.rings[0]
     ring.copy_(torch.randn(ring.shape, generator=generator) * 2)  # slot p mod W holds position p's query
