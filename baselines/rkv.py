@@ -337,6 +337,15 @@ class RKVPolicy(KVPolicy):
         under the cap, the target under `target`); the cut rows keep `keep_after` of them."""
         return self.keep_after if self.budget_mode == "target" else super().prefill_keep(spec)
 
+    def compresses_within(self, prompt_tokens: int, total_tokens: int, spec: CacheSpec) -> bool:
+        """The base rule (`paper`: its capacity and `prefill_keep` are the cut's sizes); `lf_repo`
+        cuts inside the step whose token would make a row hold more than budget - lf_margin, one
+        slot below its capacity, so the tokens the steps that matter store (all but the output's
+        last) must fit that."""
+        if self.variant == "lf_repo" and (self.prompt_cut(prompt_tokens) or total_tokens - 1 > self.hold_limit):
+            return True
+        return not self.holds_every_token(prompt_tokens, total_tokens, spec)
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def allocate(self, spec: CacheSpec) -> None:
