@@ -46,7 +46,7 @@ ASSUMED = {
     "aime24": (30, 200, 6500, 0.40), "aime25": (30, 200, 6500, 0.40),
 }
 # Milliseconds per decode step at batch 64: LongFlow's measured on the R1-Distill-Llama-8B
-# architecture (README, Table 1), the others by their step-time ratio to LongFlow measured on
+# architecture (docs/protocol.md, "Table 1's cost"), the others by their step-time ratio to LongFlow measured on
 # Qwen3-8B (results/bench_decode_qwen3_8b.csv, run a); the full cache's, reading every allocated
 # slot, extrapolated from its KV-read time (an upper bound since it reads only the filled ones).
 MS_PER_STEP = {"vanilla": 30.0, "longflow": 13.9, "streaming": 13.9 * 1.167, "h2o": 13.9 * 1.209,
