@@ -5,6 +5,7 @@ authors' rule; a missing full-cache run; reused_share in the metrics."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import types
 import warnings
@@ -12,10 +13,10 @@ import warnings
 import pytest
 import torch
 import yaml
-from helpers import method_variants, policy_of, tiny_spec
+from helpers import method_variants, policy_of
 from helpers.runs import REPO, records, run_cli, run_dirs
 
-from evals.configs import CONF_DIR, compose_config
+from evals.configs import CONF_DIR, compose_config, model_spec
 from evals.metrics import summarize
 from evals.pipeline import Job, Setup, evaluate
 from evals.reuse import LF_REPO_BELOW, MARK, full_cache_identity, reusable, row_spec
@@ -23,35 +24,40 @@ from longflow.errors import UserError
 from longflow.policy import KVPolicy
 
 # Greedy, short outputs on the tiny Qwen3 model: GSM8K prompts differ in length, so one budget
-# holds the shorter items whole and cuts the longer ones.
+# holds the shorter items whole and cuts the longer ones. The canary's prompts are of one length;
+# its first items' answers stop at 446 to 1358 tokens, so a cap of 520 leaves some stopping at EOS.
 LIMIT, NEW = 6, 32
-RUN = ["model=tiny_qwen3", "dataset=gsm8k", f"limit={LIMIT}", f"generation.max_new_tokens={NEW}", "device=cpu",
-       "engine.batch_size=2", "grading.workers=1"]
+ENGINE = [f"limit={LIMIT}", "device=cpu", "engine.batch_size=2", "grading.workers=1"]
+RUN = ["model=tiny_qwen3", "dataset=gsm8k", f"generation.max_new_tokens={NEW}", *ENGINE]
+CANARY = ["model=canary", "dataset=canary", "generation.max_new_tokens=520", *ENGINE]
+# A step method of the base rule, R-KV lf_repo's in-step cut, StreamingLLM lf_repo's re-rotation,
+# LongFlow's fused decode.
+CANARY_METHODS = [("h2o", "paper"), ("rkv", "lf_repo"), ("streaming", "lf_repo"), ("longflow", "paper")]
 # A record's timing and peak slots depend on its batch-mates (a finished row of a batch goes on
 # writing until the batch's check); every other field is a function of the item alone.
 BATCH_FIELDS = ("seconds", "peak_slots", MARK)
 
 
-def run(tmp_path, *overrides: str) -> dict:
+def run(tmp_path, *overrides: str, base: tuple[str, ...] = tuple(RUN)) -> dict:
     """The metrics of one in-process run, started twice: the second start resumes and generates nothing."""
-    cfg = compose_config([*RUN, f"results_dir={tmp_path}", *overrides])
+    cfg = compose_config([*base, f"results_dir={tmp_path}", *overrides])
     evaluate(cfg)
     (metrics,) = evaluate(cfg)  # a resumed run generates nothing more
     return metrics
 
 
-def tiny_engine() -> types.SimpleNamespace:
-    """The attributes of an engine on the tiny Qwen3 model that `row_spec` reads."""
-    config = tiny_spec("qwen3").architecture
+def tiny_engine(model: str = "tiny_qwen3") -> types.SimpleNamespace:
+    """The attributes of an engine on a small model that `row_spec` reads."""
+    config = model_spec(model).architecture
     return types.SimpleNamespace(num_layers=config["num_hidden_layers"], q_heads=config["num_attention_heads"],
                                  kv_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
                                  dtype=torch.float32, device=torch.device("cpu"), rotary=None,
                                  vocab=config["vocab_size"], scale=None)
 
 
-def tightest_budget(method: str, fields: dict, prompt: int, total: int) -> int:
+def tightest_budget(method: str, fields: dict, prompt: int, total: int, model: str) -> int:
     """The smallest budget at which `method` holds a sequence of `prompt` and `total` tokens whole."""
-    spec = row_spec(tiny_engine(), prompt, types.SimpleNamespace(max_new_tokens=NEW))
+    spec = row_spec(tiny_engine(model), prompt, types.SimpleNamespace(max_new_tokens=NEW))
     for budget in range(4, total + 600):
         try:
             with warnings.catch_warnings():
@@ -64,12 +70,21 @@ def tightest_budget(method: str, fields: dict, prompt: int, total: int) -> int:
     raise AssertionError(f"{method} never holds {total} tokens whole")
 
 
+def full_cache_run(root, base) -> tuple:
+    """(root, the full cache's run name, its records by id, the run's overrides)."""
+    metrics = run(root, "method=vanilla", base=base)
+    return root, metrics["run_id"], {r["id"]: r for r in records(root / metrics["run_id"])}, base
+
+
 @pytest.fixture(scope="module")
 def full_cache(tmp_path_factory, data_root, monkeypatch_module):
-    root = tmp_path_factory.mktemp("reuse")
     monkeypatch_module.setenv("LONGFLOW_DATA_ROOT", str(data_root))
-    metrics = run(root, "method=vanilla")
-    return root, metrics["run_id"], {r["id"]: r for r in records(root / metrics["run_id"])}
+    return full_cache_run(tmp_path_factory.mktemp("reuse"), tuple(RUN))
+
+
+@pytest.fixture(scope="module")
+def canary_full_cache(tmp_path_factory):
+    return full_cache_run(tmp_path_factory.mktemp("reuse_canary"), tuple(CANARY))
 
 
 @pytest.fixture(scope="module")
@@ -84,16 +99,38 @@ def test_reuse_gives_the_records_of_a_run_without_it(full_cache, method, variant
     """The budget is the tightest at which the median item (by prompt + output) is held whole: the
     items at or below it are copied, the longer ones generated (and compressed), and every record
     equals the one the method generates itself; the copies are marked with the full cache's run."""
-    root, source, vanilla = full_cache
+    check_reuse(full_cache, method, variant)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,variant", [("h2o", "paper"), ("rkv", "paper"), ("streaming", "lf_repo")])
+def test_reuse_in_static_batches(full_cache, tmp_path, method, variant):
+    """The same in static batches, where a copied item's batch-mates change (in a folder of its own:
+    the engine's settings are not part of a run's identity)."""
+    root, source, vanilla, base = full_cache
+    shutil.copytree(root / source, tmp_path / source)
+    check_reuse((tmp_path, source, vanilla, base), method, variant, "engine.continuous=false")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,variant", CANARY_METHODS)
+def test_reuse_on_the_canary(canary_full_cache, method, variant):
+    """The same on the trained canary model, whose outputs stop at EOS at different lengths."""
+    check_reuse(canary_full_cache, method, variant)
+
+
+def check_reuse(full_cache, method: str, variant: str | None, *engine: str) -> None:
+    root, source, vanilla, base = full_cache
+    model = next(argument.partition("=")[2] for argument in base if argument.startswith("model="))
     fields = {} if variant is None else {"variant": variant}
     lengths = sorted((r["prompt_tokens"], r["prompt_tokens"] + r["output_tokens"]) for r in vanilla.values())
     prompt, total = sorted(lengths, key=lambda pair: pair[1])[len(lengths) // 2 - 1]
-    budget = tightest_budget(method, fields, prompt, total)
-    overrides = [f"method={method}", f"budget={budget}", *(f"method.{k}={v}" for k, v in fields.items())]
+    budget = tightest_budget(method, fields, prompt, total, model)
+    overrides = [f"method={method}", f"budget={budget}", *(f"method.{k}={v}" for k, v in fields.items()), *engine]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        generated = run(root, *overrides)
-        reused = run(root, *overrides, "reuse_full_cache=exact")
+        generated = run(root, *overrides, base=base)
+        reused = run(root, *overrides, "reuse_full_cache=exact", base=base)
     own = {r["id"]: r for r in records(root / generated["run_id"])}
     copied = {r["id"]: r for r in records(root / reused["run_id"])}
     assert set(own) == set(copied) == set(vanilla)
