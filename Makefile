@@ -72,8 +72,13 @@ demo-sweep: $(ENV)  ## the paper's figure layouts on the demo: two tiny models, 
 	$(REPORT).figures --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP) --only sizes --budget 96
 	$(REPORT).results --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)/results.csv
 
+# Table 1 in two phases: the full cache first, then the methods, which copy its record of every item
+# they cannot compress (experiment=table1 sets reuse_full_cache=exact; evals/reuse.py).
+TABLE1_METHODS := streaming,h2o,vatp,rkv,longflow
 table1: $(ENV)  ## the paper's Table 1: R1-Distill-Llama-8B, budget 2400, every method, eight datasets (GPU + hub)
-	$(PY) -m evals.run -m experiment=table1 method.variant=$(VARIANT) results_dir=$(RUNS) $(LAUNCH) $(ARGS)
+	$(PY) -m evals.run -m experiment=table1 method=vanilla results_dir=$(RUNS) $(LAUNCH) $(ARGS)
+	$(PY) -m evals.run -m experiment=table1 method=$(TABLE1_METHODS) method.variant=$(VARIANT) results_dir=$(RUNS) \
+		$(LAUNCH) $(ARGS)
 	$(REPORT).table --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
 	$(REPORT).figures --runs $(RUNS) --out results/table1 --model r1_distill_llama_8b --generation lf_repo
 	$(REPORT).results --runs $(RUNS) --out results/table1_results.csv --model r1_distill_llama_8b \

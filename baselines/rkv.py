@@ -320,6 +320,10 @@ class RKVPolicy(RKV):
         under the cap, the target under `target`); the cut rows keep `keep_after` of them."""
         return self.keep_after if self.budget_mode == "target" else super().prefill_keep(spec)
 
+    def compresses_within(self, prompt_tokens: int, total_tokens: int, spec: CacheSpec) -> bool:
+        """The base rule: its capacity and `prefill_keep` are the cut's sizes."""
+        return not self.holds_every_token(prompt_tokens, total_tokens, spec)
+
     # ---- the score -----------------------------------------------------------------------------
 
     def score(self, obs: Observation) -> torch.Tensor:
@@ -426,6 +430,14 @@ class RKVLfRepoPolicy(RKV):
         return length > self.hold_limit
 
     # ---- the schedule --------------------------------------------------------------------------
+
+    def compresses_within(self, prompt_tokens: int, total_tokens: int, spec: CacheSpec) -> bool:
+        """It cuts inside the step whose token would make a row hold more than budget - lf_margin, one
+        slot below its capacity, so the tokens the steps that matter store (all but the output's
+        last) must fit that."""
+        if self.prompt_cut(prompt_tokens) or total_tokens - 1 > self.hold_limit:
+            return True
+        return not self.holds_every_token(prompt_tokens, total_tokens, spec)
 
     def allocate(self, spec: CacheSpec) -> None:
         super().allocate(spec)

@@ -137,6 +137,14 @@ class StreamingLfRepoPolicy(StreamingPolicy):
             raise UserError(f"{self.name} lf_repo re-rotates cached keys: the model needs a rotary embedding")
         self.rerotation = sink_rerotation(spec.rotary, self.budget, self.sinks, spec.dtype, spec.device)
 
+    def compresses_within(self, prompt_tokens: int, total_tokens: int, spec: CacheSpec) -> bool:
+        """The base rule; `lf_repo` re-rotates the kept keys from the step that writes position
+        budget - 1 on, free slot or not, so the last step that matters (it writes position
+        total - 2) must come before it."""
+        if self.variant == "lf_repo" and total_tokens - 2 >= self.budget - 1:
+            return True
+        return not self.holds_every_token(prompt_tokens, total_tokens, spec)
+
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.prefilling:
             self._rerotate(layer)

@@ -50,6 +50,9 @@ class VanillaPolicy(KVPolicy):
     def prefill_keep(self, spec: CacheSpec) -> int:
         return spec.prompt_len
 
+    def compresses_within(self, prompt_tokens: int, total_tokens: int, spec: CacheSpec) -> bool:
+        return False  # the full cache itself
+
     def on_prompt_stored(self, layer: int, kept: torch.Tensor, scores: torch.Tensor | None) -> None:
         self.next_slot[layer].fill_(kept.shape[-1])
 

@@ -79,7 +79,11 @@ def summarize(identity: dict[str, Any], generations: list[dict], batches: list[d
     generation_seconds = sum(batch["prefill_seconds"] + sum(batch["step_seconds"]) for batch in batches)
     memory = [batch["peak_memory_bytes"] for batch in batches if batch.get("peak_memory_bytes") is not None]
     slots = [s for record in generations for s in [record.get("peak_slots")] if s is not None]
+    reused = sum(1 for record in generations if record.get("reused_from_full_cache"))
     metrics.update(
+        # Copied records (evals.reuse) have no batch record: speed and latency are the generated ones'.
+        reuse_full_cache=identity.get("reuse_full_cache", "off"),
+        reused_share=reused / len(generations) if generations else None,
         tokens_per_second=generated / generation_seconds if generation_seconds > 0 else None,
         ttft_seconds_mean=float(np.mean([b["prefill_seconds"] for b in batches])) if batches else None,
         step_latency_ms={

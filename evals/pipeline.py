@@ -33,6 +33,7 @@ from evals.gpus import job_device
 from evals.grading import GradeRequest, grade_many
 from evals.metrics import summarize
 from evals.prompts import build_messages, render_prompt, truncate_prompt
+from evals.reuse import reuse_option, split_work, with_mode
 from evals.shards import Shard
 from evals.store import CONFIG, ITEMS, PROVENANCE, RunDir, in_scope, provenance, stable_hash
 from longflow.config import EngineConfig, GenerationConfig, from_mapping
@@ -114,6 +115,7 @@ class Setup:
     fidelity: bool = False
     overwrite: bool = False  # start every run of the config again, its stored records deleted
     allow_code_change: bool = False  # resume a run made by other code (`evals.fingerprint`)
+    reuse_full_cache: str = "off"  # evals.reuse.MODES
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Setup:
@@ -142,6 +144,8 @@ class Setup:
             shard=Shard.parse(cfg.get("shard")),
             fidelity=fidelity_option(cfg.get("fidelity", False), generation_name, generation),
             overwrite=cfg["overwrite"], allow_code_change=cfg["allow_code_change"],
+            reuse_full_cache=reuse_option(cfg.get("reuse_full_cache", "off"), generation_name, generation,
+                                          type(policy).uses_budget),
         )
 
     def identity(self, job: Job, tokenizer) -> dict[str, Any]:
@@ -161,7 +165,7 @@ class Setup:
         checkpoint = None if random else checkpoint_fingerprint(spec.hub_id)
         if checkpoint is not None:  # absent for hub ids: their revision names the weights
             identity["checkpoint"] = checkpoint
-        return identity
+        return with_mode(identity, self.reuse_full_cache)
 
 
 _FINGERPRINTS: dict[tuple, str] = {}  # (name, size, mtime) of a folder's files -> their content hash
@@ -307,6 +311,11 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
                         for item, sample in too_long], None, metrics_of)
             progress.update(len(too_long))
         work = [u for u in work if u not in too_long]
+        work, reused = split_work(work, setup.reuse_full_cache, setup.policy, identity, results_dir, engine,
+                                  generation, tokenizer, prompts)
+        if reused:
+            run.commit(reused, None, metrics_of)
+            progress.update(len(reused))
         try:
             for new_records, batch in generate_batches(work, job, setup, engine, tokenizer, prompts):
                 run.commit(new_records, batch, metrics_of)

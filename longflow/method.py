@@ -80,6 +80,11 @@ class LongFlowPolicy(KVPolicy):
                             "slots (n_sink + protect_newest), or nothing could be evicted")
         self.shared_selection = self.granularity == "layer"
 
+    def compresses_within(self, prompt_tokens: int, total_tokens: int, spec) -> bool:
+        """The base rule: the fused decode (its own `decode`) chooses the next slot by the base
+        class's selection rule, free slots first, and changes no cached key or value."""
+        return not self.holds_every_token(prompt_tokens, total_tokens, spec)
+
     # ---- decode ------------------------------------------------------------------------------
 
     def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:

@@ -76,6 +76,13 @@ OBSERVABLE = frozenset({"logits", "prompt_logits", "hidden_states"})
 VARIANTS = ("paper", "lf_repo")
 # How a prompt longer than the budget is cut, for a method without a prompt rule of its own (`KVPolicy.prefill`).
 PREFILL_RULES = ("snapkv", "by_score")
+# The hooks that decide what a row's cache holds and what its queries attend to. The base rule of
+# `KVPolicy.compresses_within` holds for a class that keeps all of them as they are here; one that
+# overrides any of them answers the question itself, or is never taken to hold the full cache.
+STORAGE_HOOKS = ("capacity", "layer_capacities", "head_capacities", "prefill_keep", "held_after_prompt",
+                 "allocate", "begin_prefill", "begin_decode", "begin_serving", "admit", "before_step",
+                 "after_step", "store", "attend", "decode", "attention_only", "choose_next_slot", "store_prompt",
+                 "compress", "keep_masks")
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -400,6 +407,35 @@ class KVPolicy:
     def prefill_keep(self, spec: CacheSpec) -> int:
         """Prompt tokens kept per layer (default: capacity - 1, so that the first decode token finds a free slot)."""
         return self.capacity(spec) - 1
+
+    def compresses_within(self, prompt_tokens: int, total_tokens: int, spec: CacheSpec) -> bool:
+        """Whether a sequence of `prompt_tokens` real prompt tokens whose output ends at `total_tokens`
+        (prompt + output) may attend to anything but its whole past: True when the method compresses
+        it, or cannot guarantee that it does not. False means its greedy tokens are the full cache's
+        (`evals.reuse` copies the full cache's record then). `spec`: the batch's shapes, of one row.
+
+        The base rule (`holds_every_token`) answers for a class that keeps every `STORAGE_HOOKS`
+        hook of this class; any other answers "cannot guarantee" unless it overrides this."""
+        cls = type(self)
+        if any(getattr(cls, hook) is not getattr(KVPolicy, hook) for hook in STORAGE_HOOKS):
+            return True
+        return not self.holds_every_token(prompt_tokens, total_tokens, spec)
+
+    def holds_every_token(self, prompt_tokens: int, total_tokens: int, spec: CacheSpec) -> bool:
+        """The base rules' answer: every token of the sequence stays in the cache.
+
+        The prompt is stored whole when it fits `prefill_keep` and every head's capacity less the
+        slot of the first decode token (`store_prompt`), whatever the batch's padding: capacities
+        here do not depend on the padded length. The output's last token is never stored, so the
+        decode steps that matter store total - prompt - 1 tokens; with at most C = the smallest
+        layer or head capacity slots held, a step method finds a free slot for each (free slots
+        go first) and an interval method's row reaches C only after the last step that matters
+        (it is cut after the step that fills it). Protection windows and scores are then never
+        consulted, and a compression of a batch-mate touches only that row."""
+        layers = self.layer_capacities(spec)
+        heads = [self.head_capacities(spec, layer) for layer in range(spec.layers)]
+        least = min(min(caps) if caps is not None else slots for slots, caps in zip(layers, heads, strict=True))
+        return prompt_tokens <= min(self.prefill_keep(spec), least - 1) and total_tokens - 1 <= least
 
     def slot_state(self) -> dict[str, SlotState]:
         """The per-slot state the method keeps in the cache (default: none)."""
