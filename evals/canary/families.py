@@ -9,11 +9,11 @@ differ in which variables a line reads, and so in where the tokens it needs sit:
   state      today's canary (`evals.canary.task`, same items): the previous result picks the
              variables through a table the model learnt; 20 variables, read anywhere back.
   lookup     pointer chasing through a table in the prompt, read throughout the output:
-             `Lookup: a=5>q, b=17>f, ...` gives each letter a value and a successor (one cycle
-             through all 20); a line reads the current letter's entry and adds its value to z,
-             `k: q=7>m, z=12 -> z=19`, and m is the next letter. An entry is read again only 20
-             lines (420 tokens) later, so every read takes its value from the prompt or from a
-             copy 420 tokens back.
+             `Lookup: 0=14, 1=7, ...` maps each of the numbers 0-22 to another (one cycle through
+             all 23); a line reads the current number's entry and adds it to z, `k: 5=14, z=12 ->
+             z=3`, and the entry is the next line's number. An entry is read again only 23 lines
+             (437 tokens) later, so every read of the table takes its value from the prompt or
+             from a copy 437 tokens back.
   plan       an early plan in the output, consulted at intervals: the first four lines compute
              the plan w, x, y, z from the prompt, then a local chain over a, b, c, d takes a plan
              value in every line whose countdown is a multiple of 6 (w, x, y, z in turn), so each
@@ -33,7 +33,7 @@ rendered prompt and the output.
 Held-out splits: 200 items per family, item i from its own seed string (the state family's are the
 canary's held-out items); training draws from another generator and leaves these out
 (`evals.canary.suite_batches`). Output lengths: 10 to 84 steps, log-uniform as the canary's: 199 to
-1605 tokens for the line of 19 tokens, 219 to 1773 for lookup's line of 21.
+1605 tokens (every family's line is 19 tokens).
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ HELDOUT_SIZE = 200
 MODULUS = 23
 MIN_STEPS, MAX_STEPS = 10, 84
 TAGS = {"lookup": "Lookup", "plan": "Plan", "redundant": "Check", "chain": "Chain"}
-# Prompt variables of each family: the lookup table's letters, the plan's inputs (a-d start the
+# Prompt variables of each family: the lookup table's entries, the plan's inputs (a-d start the
 # chain, e-l make the plan), the redundant family's (a-d the chain, e and f make s), the chain's.
-VARIABLES = {"state": 20, "lookup": 20, "plan": 12, "redundant": 6, "chain": 4}
+VARIABLES = {"state": 20, "lookup": MODULUS, "plan": 12, "redundant": 6, "chain": 4}
 PLAN = "wxyz"
 PLAN_LINES = 4  # lines that compute the plan
 PLAN_EVERY = 6  # a chain line whose countdown is a multiple of this reads the plan (every item has one)
@@ -64,7 +64,7 @@ ROTATION = 4  # the chain's variables: a, b, c, d
 
 @dataclass(frozen=True)
 class Read:
-    """One value a line copies: `key` (a variable, or "q>" for the successor of lookup's entry q),
+    """One value a line copies: `key` (a variable, lookup's entry "5", or "key", lookup's current entry),
     `value` (its text), `at` (offset in the output of the token that copies it) and `sources`
     (offsets of every earlier token holding it: ("question" | "output", offset))."""
 
@@ -111,9 +111,8 @@ class Text:
 class SuiteItem:
     """One item of a family, from its parameters (`params`, the row `suite_batches` draws):
 
-    state: initial values (20), start, steps; lookup: successor of each letter (20 indices, one
-    cycle), values (20), start letter, z's initial value, steps; plan, redundant, chain: the prompt
-    variables' values, steps.
+    state: initial values (20), start, steps; lookup: the entry of each number (23, one cycle), the
+    first number, z's initial value, steps; plan, redundant, chain: the prompt variables' values, steps.
     """
 
     family: str
@@ -188,38 +187,31 @@ def build_state(params: tuple[int, ...]) -> Text:
 
 def build_lookup(params: tuple[int, ...]) -> Text:
     size = VARIABLES["lookup"]
-    names = NAMES[:size]
-    successor, values = params[:size], params[size:2 * size]
-    letter, total, steps = params[2 * size], params[2 * size + 1], params[-1]
+    successor, key, total, steps = params[:size], params[size], params[size + 1], params[-1]
     text = Text()
     text.plain(f"{TAGS['lookup']}: ")
-    for index, name in enumerate(names):
-        text.plain(f"{name}=" if index == 0 else f", {name}=")
-        text.write(name, str(values[index]))
-        text.plain(">")
-        text.write(f"{name}>", names[successor[index]])
+    for index in range(size):
+        text.plain(f"{index}=" if index == 0 else f", {index}=")
+        text.write(str(index), str(successor[index]))
     text.plain(". Start: ")
-    text.write("next", names[letter])
+    text.write("key", str(key))
     text.plain(", z=")
     text.write("z", str(total))
     text.plain(f". Steps: {steps}.")
     text.begin_output()
     text.plain("<think>\n")
     for countdown in range(steps, 0, -1):
-        name = names[letter]
         text.plain(f"{countdown}: ")
-        text.read("next", name)
+        text.read("key", str(key))
         text.plain("=")
-        text.read(name, str(values[letter]))
-        text.plain(">")
-        text.read(f"{name}>", names[successor[letter]], writes="next")
+        text.read(str(key), str(successor[key]), writes="key")
         text.plain(", z=")
         text.read("z", str(total))
-        total = (total + values[letter]) % MODULUS
+        key = successor[key]
+        total = (total + key) % MODULUS
         text.plain(" -> z=")
         text.write("z", str(total))
         text.plain("\n")
-        letter = successor[letter]
     return finish(text, total)
 
 
@@ -284,15 +276,14 @@ def draw_steps(rng: random.Random) -> int:
 
 
 def draw(family: str, rng: random.Random) -> SuiteItem:
-    """A random item of `family`: values uniform mod 23, lookup's successors one random cycle."""
+    """A random item of `family`: values uniform mod 23, lookup's table one random cycle."""
     size = VARIABLES[family]
     if family == "lookup":
         order = rng.sample(range(size), size)
         successor = [0] * size
-        for index, letter in enumerate(order):
-            successor[letter] = order[(index + 1) % size]
-        values = [rng.randrange(MODULUS) for _ in range(size)]
-        params = (*successor, *values, rng.randrange(size), rng.randrange(MODULUS), draw_steps(rng))
+        for index, entry in enumerate(order):
+            successor[entry] = order[(index + 1) % size]
+        params = (*successor, rng.randrange(size), rng.randrange(MODULUS), draw_steps(rng))
     else:
         params = (*(rng.randrange(MODULUS) for _ in range(size)), draw_steps(rng))
     return SuiteItem(family, params)

@@ -123,37 +123,33 @@ class LookupBatches(FamilyBatches):
         super().__init__(templates)
         self.size = VARIABLES["lookup"]
         question = [f"{TAGS['lookup']}: "]
-        for index, name in enumerate(NAMES[:self.size]):
-            question += [f"{name}=" if index == 0 else f", {name}=", NUMBER, ">", NAME]
-        question += [". Start: ", NAME, ", z=", NUMBER, ". Steps: ", NUMBER, "."]
+        for index in range(self.size):
+            question += [f"{index}=" if index == 0 else f", {index}=", NUMBER]
+        question += [". Start: ", NUMBER, ", z=", NUMBER, ". Steps: ", NUMBER, "."]
         self.prompt, self.prompt_holes = templates.prompt(question)
-        self.line, self.line_holes = templates.template([NUMBER, ": ", NAME, "=", NUMBER, ">", NAME, ", z=", NUMBER,
-                                                         " -> z=", NUMBER, "\n"])
+        self.line, self.line_holes = templates.template([NUMBER, ": ", NUMBER, "=", NUMBER, ", z=", NUMBER, " -> z=",
+                                                         NUMBER, "\n"])
 
     def draw(self, generator, batch, steps):
         device, size = self.t.device, self.size
         order = torch.rand(batch, size, generator=generator, device=device).argsort(dim=1)
         successor = torch.empty_like(order).scatter_(1, order, order.roll(-1, dims=1))  # one cycle through all
-        values = torch.randint(MODULUS, (batch, size), generator=generator, device=device)
         start = torch.randint(size, (batch, 1), generator=generator, device=device)
         total = torch.randint(MODULUS, (batch, 1), generator=generator, device=device)
-        return torch.cat([successor, values, start, total, torch.full((batch, 1), steps, device=device)], dim=1)
+        return torch.cat([successor, start, total, torch.full((batch, 1), steps, device=device)], dim=1)
 
     def tokens(self, params):
-        number, name, size = self.t.number, self.t.name, self.size
+        number, size = self.t.number, self.size
         steps = int(params[0, -1])
-        successor, values = params[:, :size], params[:, size:2 * size]
-        letter, total = params[:, 2 * size:2 * size + 1], params[:, 2 * size + 1]
-        entries = torch.stack([number[values], name[successor]], dim=-1).flatten(1)  # [B, 2 size]
-        prompt = self.t.fill(self.prompt, self.prompt_holes, torch.cat(
-            [entries, name[letter], number[total][:, None], number[params[:, -1:]]], dim=1))
+        successor, key, total = params[:, :size], params[:, size:size + 1], params[:, size + 1]
+        prompt = self.t.fill(self.prompt, self.prompt_holes, number[params])
         fields = []
         for countdown in range(steps, 0, -1):
-            value, following = values.gather(1, letter)[:, 0], successor.gather(1, letter)[:, 0]
-            result = (total + value) % MODULUS
-            fields.append(torch.stack([number[torch.full_like(total, countdown)], name[letter[:, 0]], number[value],
-                                       name[following], number[total], number[result]], dim=-1))
-            letter, total = following[:, None], result
+            entry = successor.gather(1, key)[:, 0]
+            result = (total + entry) % MODULUS
+            fields.append(torch.stack([number[torch.full_like(total, countdown)], number[key[:, 0]], number[entry],
+                                       number[total], number[result]], dim=-1))
+            key, total = entry[:, None], result
         lines = self.t.fill(self.line, self.line_holes, torch.stack(fields, dim=1))
         return self.assemble(prompt, lines, total)
 

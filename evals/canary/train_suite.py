@@ -34,6 +34,7 @@ import transformers
 from transformers import Qwen3ForCausalLM
 
 from evals.canary import vocabulary
+from evals.canary.batches import LINE_TOKENS
 from evals.canary.families import FAMILIES, HELDOUT_SIZE, MAX_STEPS, heldout
 from evals.canary.suite_batches import FamilyBatches, heldout_mask, suite_batches
 from evals.canary.train import CALIBRATION_STEPS, TrainConfig, learning_rate, output_loss, sync
@@ -188,7 +189,7 @@ def fit(config: SuiteTrainConfig, model, families: dict[str, FamilyBatches], dev
         name = names[int(torch.multinomial(shares, 1, generator=choices))]
         steps = int(torch.randint(config.train_min_steps, config.train_max_steps + 1, (1,), generator=choices))
         family = families[name]
-        length = prompt_length(family) + (21 if name == "lookup" else 19) * steps + 9
+        length = prompt_length(family) + LINE_TOKENS * steps + 9
         params = family.draw(generator, max(1, config.tokens_per_step // length), steps)
         keep = ~heldout_mask(params, family.heldout)
         tokens = family.tokens(params)
