@@ -118,54 +118,54 @@ def test_state_family_is_the_canary():
 
 def text_reads(family: str, question: str, output: str) -> list[tuple[str, int, list[int]]]:
     """Reads found in the text, independently of the generator: (value, character offset in
-    prompt + output of the token that copies it, offsets of every earlier copy of the same value).
-    A copy is a mention of the name since its last write; a write is a prompt value, the third
-    mention of a line, or (lookup) the line's result, and lookup's current number is the previous
-    entry read (or the start)."""
-    text = question + output
-    start = len(question)
+    question + output of the token that needs it, offsets of every earlier copy of that value).
+
+    A copy of a value is a mention of its name since the name's last write (a prompt value, the
+    third mention of a line). Each line copies two values (lookup: its number, the entry, z), its
+    result needs the two values it sums (any copy, the line's own included), and in the state family
+    the first name needs the previous result (the prompt's start, then each line's result)."""
+    base = len(question)
     copies: dict[str, list[int]] = {}
     reads = []
     if family == "lookup":
-        mentions = [(m.group(1), m.group(2), m.start(2)) for m in re.finditer(r"(\d+|z)=(\d+)", text)]
-        key = re.search(r"Start: (\d+)", question)
-        copies["key"] = [key.start(1)]
-        line_mention = 0
-        for name, value, at in mentions:
-            if at < start:
-                copies[name] = [at]
-                continue
-            if line_mention % 3 == 0:  # "n=entry": n copies the current number, the entry is read
-                name_at = at - 1 - len(name)
-                reads.append((name, name_at, list(copies["key"])))
-                copies["key"].append(name_at)
-                reads.append((value, at, list(copies[name])))
-                copies[name].append(at)
-                copies["key"] = [at]
-            elif line_mention % 3 == 1:  # "z=before"
-                reads.append((value, at, list(copies["z"])))
-                copies["z"].append(at)
-            else:  # "z=after"
-                copies["z"] = [at]
-            line_mention += 1
+        for match in re.finditer(r"(\d+)=(\d+)", question.split(". Start")[0]):
+            copies[match.group(1)] = [match.start(2)]
+        header = re.search(r"Start: (\d+), z=(\d+)\.", question)
+        copies["key"], copies["z"] = [header.start(1)], [header.start(2)]
+        for match in re.finditer(r"\d+: (\d+)=(\d+), z=(\d+) -> z=(\d+)", output):
+            key, entry, before, after = (base + match.start(group) for group in range(1, 5))
+            reads.append((match.group(1), key, list(copies["key"])))
+            reads.append((match.group(2), entry, list(copies[match.group(1)])))
+            copies[match.group(1)].append(entry)
+            copies["key"] = [entry]
+            reads.append((match.group(3), before, list(copies["z"])))
+            copies["z"].append(before)
+            reads.append((match.group(2), after, list(copies[match.group(1)])))
+            reads.append((match.group(3), after, list(copies["z"])))
+            copies["z"] = [after]
         return reads
-    line_mention = 0
-    for match in MENTION.finditer(text):
-        name, value, at = match.group(1), match.group(2), match.start(2)
-        if at >= start and line_mention % 3 != 2:
-            reads.append((value, at, list(copies[name])))
-            copies[name].append(at)
-        else:
-            copies[name] = [at]
-        if at >= start:
-            line_mention += 1
+    for match in MENTION.finditer(question):
+        copies[match.group(1)] = [match.start(2)]
+    previous = re.search(r"Start: (\d+)\.", question)
+    previous = (previous.group(1), previous.start(1)) if previous else None
+    for match in LINE.finditer(output):
+        _, left, left_value, right, right_value, target, result = match.groups()
+        if family == "state":
+            reads.append((previous[0], base + match.start(2), [previous[1]]))
+        for name, value, group in ((left, left_value, 3), (right, right_value, 5)):
+            reads.append((value, base + match.start(group), list(copies[name])))
+            copies[name].append(base + match.start(group))
+        for name, value in ((left, left_value), (right, right_value)):
+            reads.append((value, base + match.start(7), list(copies[name])))
+        copies[target] = [base + match.start(7)]
+        previous = (result, base + match.start(7))
     return reads
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_read_positions_match_the_text(family):
     """The generator's token positions of every read and of its copies against the reads a reader
-    finds in the text, mapped to tokens by the tokenizer's offsets; each copy's token is the value."""
+    finds in the text, mapped to tokens by the tokenizer's offsets; every copy's token is the value."""
     for item in SPLITS[family][:6]:
         prompt = TOKENIZER.decode(render_prompt(TOKENIZER, build_messages(Item("x", item.question(), "0"), "math"),
                                                 thinking=True))
@@ -185,14 +185,14 @@ def test_read_positions_match_the_text(family):
                     for _, offset, copies in text_reads(family, item.question(), item.output())]
         found = token_reads(item, prompt, TOKENIZER)
         assert found == expected
-        for (value, _, _), (read_at, copies) in zip(text_reads(family, item.question(), item.output()), found,
+        for (value, _, _), (_, copies) in zip(text_reads(family, item.question(), item.output()), found,
                                                     strict=True):
-            assert TOKENIZER.decode([ids[output_start + read_at]]) == value
             assert all(TOKENIZER.decode([ids[c]]) == value for c in copies)
 
 
 def distances(family: str) -> list[list[tuple[int, int]]]:
-    """Per item: every read's (output index, token distance back to its nearest copy)."""
+    """Per item: every read's (output index, token distance back to its nearest copy before the
+    line it is in: for an operand, the line's own copy is 0-7 tokens back)."""
     result = []
     for item in SPLITS[family]:
         prompt = TOKENIZER.decode(render_prompt(TOKENIZER, build_messages(Item("x", item.question(), "0"), "math"),
@@ -207,17 +207,19 @@ def test_each_family_has_its_dependency_shape():
     reaches the prompt or a copy 23 lines (437 tokens) back. Plan: plan values read from far back, most 192+ tokens.
     Redundant: the last line's read of s reaches back to the first five lines. State: the canary's
     mix (some reads 192+ back)."""
-    chain = [d for item in distances("chain") for index, (_, d) in enumerate(item) if index >= 4]
+    chain = [d for item in distances("chain") for index, (_, d) in enumerate(item) if index >= 8]
     assert max(chain) <= 38
     lookup_items = distances("lookup")
     assert all(d >= 19 * 23 - 2 for item, split in zip(lookup_items, SPLITS["lookup"], strict=True)
-               for index, (at, d) in enumerate(item) if index % 3 == 1 and at > 19 * 23 + 2)
+               for (at, d), read in zip(item, split.reads, strict=True)
+               if read.kind == "copy" and read.key not in ("key", "z") and at > 19 * 23 + 2)
     plan_reads = [d for item, split in zip(distances("plan"), SPLITS["plan"], strict=True)
-                  for (at, d), read in zip(item, split.reads, strict=True) if read.key in "wxyz"]
+                  for (at, d), read in zip(item, split.reads, strict=True)
+                  if read.key in "wxyz" and read.kind == "copy"]
     assert sorted(plan_reads)[len(plan_reads) // 2] >= 300 and sum(d >= 192 for d in plan_reads) > 0.6 * len(plan_reads)
     for item, split in zip(distances("redundant"), SPLITS["redundant"], strict=True):
-        last = split.reads[-1]
-        assert last.key == "s" and len(last.sources) == 5 and item[-1][1] >= 19 * (split.steps - 6)
+        last = split.reads[-3]  # the last line's copy of s (its result's two operands follow)
+        assert last.key == "s" and len(last.sources) == 5 and item[-3][1] >= 19 * (split.steps - 6)
     assert sum(d >= 192 for item in distances("state") for _, d in item) >= 100
 
 

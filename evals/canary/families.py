@@ -24,9 +24,11 @@ differ in which variables a line reads, and so in where the tokens it needs sit:
   chain      local computation only: a, b, c, d in rotation, each line reading the two values
              written one and two lines before (recency suffices).
 
-Read positions: for every read of every line, the generator records where the value it copies sits:
+Read positions: for every read of every line, the generator records where the value it needs sits:
 every mention of the variable since its last write (the write included, or the prompt's if it was
-never written), each a copy of the same value, any of which will do (`Read.sources`). Offsets are
+never written), each a copy of the same value, any of which will do (`Read.sources`). A line reads
+when it copies a value (`x=3`), when its result sums the two values (the line's own copies or any
+earlier one), and, in the state family, when its first name follows from the previous result. Offsets are
 characters of the question or of the output; `token_reads` maps them to token positions of the
 rendered prompt and the output.
 
@@ -64,14 +66,18 @@ ROTATION = 4  # the chain's variables: a, b, c, d
 
 @dataclass(frozen=True)
 class Read:
-    """One value a line copies: `key` (a variable, lookup's entry "5", or "key", lookup's current entry),
-    `value` (its text), `at` (offset in the output of the token that copies it) and `sources`
-    (offsets of every earlier token holding it: ("question" | "output", offset))."""
+    """One value a token of a line needs: `key` (a variable, lookup's entry "5", "key", lookup's current
+    entry, or "previous", the state family's previous result), `value` (its text), `at` (offset in
+    the output of the token that needs it), `sources` (offsets of every earlier token holding it:
+    ("question" | "output", offset)) and `kind`: "copy" (the token writes the value again, `x=3`),
+    "operand" (the line's result sums it: the line's own copy or any earlier one will do) or
+    "choice" (the state family's names, picked by the previous result)."""
 
     key: str
     value: str
     at: int
     sources: tuple[tuple[str, int], ...]
+    kind: str = "copy"
 
 
 class Text:
@@ -94,6 +100,10 @@ class Text:
         """A new value of `key`: older copies no longer hold it."""
         self.copies[key] = [(self.part, self.length)]
         self.plain(value)
+
+    def needs(self, key: str, value: str, kind: str) -> None:
+        """The next token needs `key`'s current value without writing it again."""
+        self.reads.append(Read(key, value, self.length, tuple(self.copies[key]), kind))
 
     def read(self, key: str, value: str, writes: str | None = None) -> None:
         """A copy of `key`'s current value (and, with `writes`, a new value of that key)."""
@@ -145,15 +155,24 @@ class SuiteItem:
         return self.built.reads
 
 
-def sum_line(text: Text, countdown: int, left: str, right: str, target: str, values: dict[str, int]) -> int:
-    """The canary's line: `countdown: left=v, right=w -> target=(v + w) mod 23`."""
-    text.plain(f"{countdown}: {left}=")
+def sum_line(text: Text, countdown: int, left: str, right: str, target: str, values: dict[str, int],
+             previous: int | None = None) -> int:
+    """The canary's line: `countdown: left=v, right=w -> target=(v + w) mod 23`. With `previous` (the
+    state family), the names are the previous result's, which the first name needs."""
+    text.plain(f"{countdown}: ")
+    if previous is not None:
+        text.needs("previous", str(previous), "choice")
+    text.plain(f"{left}=")
     text.read(left, str(values[left]))
     text.plain(f", {right}=")
     text.read(right, str(values[right]))
     result = (values[left] + values[right]) % MODULUS
     text.plain(f" -> {target}=")
+    text.needs(left, str(values[left]), "operand")
+    text.needs(right, str(values[right]), "operand")
     text.write(target, str(result))
+    if previous is not None:
+        text.copies["previous"] = list(text.copies[target])
     text.plain("\n")
     values[target] = result
     return result
@@ -176,12 +195,14 @@ def build_state(params: tuple[int, ...]) -> Text:
     text, values = Text(), dict(zip(names, params[:task.variables], strict=True))
     assignments(text, names, params[:task.variables])
     result = params[task.variables]
-    text.plain(f". Start: {result}. Steps: {steps}.")
+    text.plain(". Start: ")
+    text.write("previous", str(result))
+    text.plain(f". Steps: {steps}.")
     text.begin_output()
     text.plain("<think>\n")
     for countdown in range(steps, 0, -1):
         left, right, target = (names[index] for index in task.table[result])
-        result = sum_line(text, countdown, left, right, target, values)
+        result = sum_line(text, countdown, left, right, target, values, previous=result)
     return finish(text, result)
 
 
@@ -207,9 +228,12 @@ def build_lookup(params: tuple[int, ...]) -> Text:
         text.read(str(key), str(successor[key]), writes="key")
         text.plain(", z=")
         text.read("z", str(total))
+        entry = str(key)
         key = successor[key]
-        total = (total + key) % MODULUS
         text.plain(" -> z=")
+        text.needs(entry, str(key), "operand")
+        text.needs("z", str(total), "operand")
+        total = (total + key) % MODULUS
         text.write("z", str(total))
         text.plain("\n")
     return finish(text, total)
