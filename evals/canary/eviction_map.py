@@ -20,7 +20,15 @@ from pathlib import Path
 import numpy as np
 
 from evals.canary.families import FAMILIES, heldout
-from evals.canary.recall import HeldTrace, ReadRecall, Teacher, policy_factory, teacher, teacher_forced_recall
+from evals.canary.recall import (
+    HeldTrace,
+    ReadRecall,
+    Teacher,
+    policy_factory,
+    recording_engine,
+    teacher,
+    teacher_forced_recall,
+)
 from longflow.errors import UserError
 
 
@@ -36,10 +44,7 @@ def held_matrix(trace: HeldTrace, layer: int, length: int) -> np.ndarray:
 
 
 def trace_method(model, tokenizer, method: str, budget: int | None, item: Teacher) -> tuple[ReadRecall, HeldTrace]:
-    from longflow.engine import Engine
-    from longflow.models import eos_token_ids
-
-    engine = Engine(model, policy_factory(method, budget), eos_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    engine = recording_engine(model, tokenizer, policy_factory(method, budget))
     recalls, trace = teacher_forced_recall(engine, [item], trace_row=0)
     return recalls[0], trace
 

@@ -40,7 +40,7 @@ import torch
 from evals.canary.families import FAMILIES, SuiteItem, heldout, token_reads
 from evals.datasets import Item
 from evals.prompts import build_messages, render_prompt
-from longflow.config import GenerationConfig
+from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import DecodeState, Engine
 from longflow.errors import UserError
 from longflow.policy import KVPolicy
@@ -178,12 +178,19 @@ class RecallSummary:
                    sum(layers) / len(layers), sum(r.complete for r in recalls) / len(recalls))
 
 
+def recording_engine(model, tokenizer, factory: Callable[[], KVPolicy]) -> Engine:
+    """An engine whose steps run eagerly: the snapshots between them are host work that a CUDA graph
+    or a compiled forward would not replay."""
+    from longflow.models import eos_token_ids
+
+    return Engine(model, factory, eos_token_ids(model, tokenizer), tokenizer.pad_token_id,
+                  EngineConfig(cuda_graph=False, compile=False))
+
+
 def family_recall(model, tokenizer, factory: Callable[[], KVPolicy], family: str, limit: int,
                   batch_size: int) -> list[ReadRecall]:
     """Recall of `factory`'s policy over the first `limit` held-out items of `family`."""
-    from longflow.models import eos_token_ids
-
-    engine = Engine(model, factory, eos_token_ids(model, tokenizer), tokenizer.pad_token_id)
+    engine = recording_engine(model, tokenizer, factory)
     teachers = [teacher(item, tokenizer) for item in heldout(family, limit)]
     recalls = []
     for start in range(0, len(teachers), batch_size):
