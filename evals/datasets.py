@@ -323,6 +323,9 @@ REGISTRY: dict[str, DatasetSpec] = {
         DatasetSpec("demo_math", root=DEMO_ROOT),
         DatasetSpec("demo_gpqa", kind="gpqa", root=DEMO_ROOT),
         DatasetSpec("canary", generator="evals.canary.task:heldout_rows"),
+        *(DatasetSpec(f"canary_{family}", generator="evals.canary.families:heldout_rows",
+                      generator_args={"family": family})
+          for family in ("state", "lookup", "plan", "redundant", "chain")),
     )
 }
 

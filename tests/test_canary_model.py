@@ -5,11 +5,11 @@ teacher-forced agreement with the full cache."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import pytest
 import torch
 from helpers import policy_of
+from helpers.canary import SMALL_BUDGET, EvictNewest, EvictRandom
 from transformers import AutoTokenizer
 
 from evals.canary.task import CanaryTask
@@ -22,38 +22,9 @@ from longflow.config import GenerationConfig
 from longflow.engine import Engine
 from longflow.fidelity import teacher_force
 from longflow.models import PROJECT_ROOT, checkpoint_location, eos_token_ids, load_model
-from longflow.policy import KVPolicy, Observation
 
 # The first 16 held-out items of at most 20 steps (at most 389 output tokens): a CI-sized subset.
 SUBSET = [(str(index), program) for index, program in enumerate(CanaryTask().heldout()) if program.steps <= 20][:16]
-SMALL_BUDGET = 128  # slots: under half of these items' mean sequence length (121 + 312 tokens)
-
-
-@dataclass(eq=False)
-class EvictNewest(KVPolicy):
-    """Deliberately broken: once the cache is full, every new token overwrites the one written before it,
-    so the model keeps the old tokens and loses each newest one at the next step."""
-
-    name = "evict_newest"
-
-    def score(self, obs: Observation) -> torch.Tensor:
-        return -obs.positions.float()  # the newest position scores lowest
-
-
-@dataclass(eq=False)
-class EvictRandom(KVPolicy):
-    """Deliberately broken: once the cache is full, the next token overwrites a uniformly random slot."""
-
-    name = "evict_random"
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.generator = torch.Generator().manual_seed(0)
-
-    def score(self, obs: Observation) -> torch.Tensor:
-        return torch.rand(obs.positions.shape, generator=self.generator)
-
-
 @functools.cache
 def canary():
     """(model, tokenizer) as `model=canary` loads them: float32 on the CPU."""

@@ -3,11 +3,11 @@ long, the training batches are exactly what the harness renders, and training ne
 
 from __future__ import annotations
 
-import re
 import statistics
 
 import pytest
 import torch
+from helpers.canary import check_by_the_rules
 
 from evals.canary import vocabulary
 from evals.canary.batches import Batches, heldout_mask, heldout_programs
@@ -18,36 +18,6 @@ from longflow.errors import UserError
 
 TASK = CanaryTask()
 HELDOUT = TASK.heldout()
-MENTION = re.compile(r"\b([a-z])=(\d+)")
-
-
-def check_by_the_rules(task: CanaryTask, question: str, output: str) -> int:
-    """Reads an item from its text as a person would and checks every line; returns the boxed answer.
-
-    The latest value of a variable is its last "name=value" in the text so far, prompt included.
-    """
-    start = int(re.search(r"Start: (\d+)\.", question)[1])
-    steps = int(re.search(r"Steps: (\d+)\.", question)[1])
-    assert output.startswith("<think>\n")
-    thinking, answer = output[len("<think>\n"):].split("</think>\n\n")
-    lines = thinking.splitlines()
-    assert len(lines) == steps
-    text, previous = question, start
-    for countdown, line in zip(range(steps, 0, -1), lines, strict=True):
-        match = re.fullmatch(r"(\d+): ([a-z])=(\d+), ([a-z])=(\d+) -> ([a-z])=(\d+)", line)
-        assert match, line
-        number, left, left_value, right, right_value, target, result = match.groups()
-        latest = dict(MENTION.findall(text))
-        assert int(number) == countdown
-        assert tuple(task.names.index(name) for name in (left, right, target)) == task.table[previous]
-        assert (left_value, right_value) == (latest[left], latest[right])
-        assert int(result) == (int(left_value) + int(right_value)) % task.modulus
-        text += "\n" + line
-        previous = int(result)
-    assert answer == f"\\boxed{{{previous}}}"
-    return previous
-
-
 @pytest.mark.parametrize("index", [0, 1, 7, 42, 199])
 def test_heldout_items_follow_the_rules(index):
     program = HELDOUT[index]

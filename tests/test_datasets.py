@@ -206,7 +206,8 @@ def test_spec_checks(settings, message):
 
 
 def test_registry_holds_every_benchmark():
-    assert set(SIZES) | {"demo_math", "demo_gpqa", "canary"} == set(REGISTRY)
+    suite = {f"canary_{family}" for family in ("state", "lookup", "plan", "redundant", "chain")}
+    assert set(SIZES) | {"demo_math", "demo_gpqa", "canary"} | suite == set(REGISTRY)
     assert {name for name, spec in REGISTRY.items() if spec.kind == "gpqa"} == {"gpqa", "demo_gpqa"}
     assert all(spec.hub_id for name, spec in REGISTRY.items() if name in SIZES)
     with pytest.raises(UserError, match="unknown dataset"):
