@@ -10,10 +10,12 @@ import math
 import pytest
 import torch
 from helpers import LONG_TEXTS, drive_layer, generate, tiny_model
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+from transformers import AttentionInterface
 
 from baselines.lkv import PARAMETERS, LKVPolicy, head_budgets, prior_parameters, slot_features
-from evals.canary.train_lkv import capacities, hard_topk, soft_topk
+from evals.canary.train_lkv import ATTENTION, SoftEviction, capacities, hard_topk, soft_topk
+from longflow.cache import ATTENTION_NAME
 from longflow.errors import UserError
 
 
@@ -187,3 +189,24 @@ def test_soft_topk_keeps_the_count_and_passes_gradients():
 def test_parameters_named_as_the_file():
     assert PARAMETERS == ("budget_logits", "w_linear", "w_in", "b_in", "w_out")
     assert set(prior_parameters(2, 2, 8, 4)) == set(PARAMETERS)
+
+
+def test_the_training_mask_in_its_hard_limit_is_what_the_engine_decodes(tmp_path):
+    """The student's forward with the hard mask, fed the engine's own greedy output under LKV, predicts
+    that output token for token: the training relaxes exactly the method's selection."""
+    model, tokenizer = tiny_model("qwen3")
+    path = weights_file(tmp_path, 2, 2, 16, [[0.4, -0.3], [0.0, 0.2]])
+    prompts, result = generate((model, tokenizer), lambda: LKVPolicy(24, weights=path), LONG_TEXTS[:1],
+                               max_new_tokens=48)
+    prompt_len = len(prompts[0])
+    assert prompt_len > 24  # the prompt is cut, and the decode steps evict
+    student = SoftEviction(load_file(path))
+    student.hard, student.prompt_len, student.budget = True, prompt_len, 24
+    AttentionInterface.register(ATTENTION, student.attention)
+    model.set_attn_implementation(ATTENTION)
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompts[0] + result.tokens[0][:-1]])).logits[0, prompt_len - 1:]
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
+    assert logits.argmax(dim=-1).tolist() == result.tokens[0]
