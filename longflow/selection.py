@@ -8,7 +8,8 @@ ties to the lowest slot index), and of the decode-attention benchmark.
 - `choose_next`: the slot the next token overwrites, per row (and KV head): the lowest free slot
   while one is free, else the valid unprotected slot of lowest score (ties: the lowest index).
 - `choose_keep`: the slots a compression keeps: every protected valid slot, then the best
-  scored ones; never a free slot unless fewer than `count` slots are valid.
+  scored ones (ties: the highest index kept, so the lowest goes first, as in `choose_next`);
+  never a free slot unless fewer than `count` slots are valid.
 - `first_free`: the lowest free slot, for methods that never evict between compressions.
 - `chosen_mask`: the kept slots of a `choose_keep` as a mask; `sink_mask`: the attention sinks, the
   first n positions that a method never evicts.
@@ -69,10 +70,17 @@ def choose_keep(
     """`[..., S]` -> `[..., count]` int64: the slots kept by a compression, best first.
 
     Protected valid slots rank above every score, free slots below every score: a compression
-    keeps the protected slots, then the `count - |protected|` best scored. Callers that need the
-    kept slots in position or slot order sort the result.
+    keeps the protected slots, then the `count - |protected|` best scored; among equal keys the
+    higher slot index first. Callers that need the kept slots in position or slot order sort the
+    result.
+
+    Ties are broken by index, not left to `topk`, whose order among equal keys changes with S: a
+    prompt cut keeps SnapKV's whole observation window (+inf) when it fits, and when it does not,
+    the tokens dropped from it would otherwise depend on how far the batch pads the prompt.
     """
-    return selection_keys(score, valid, protect).topk(count, dim=-1).indices
+    key = selection_keys(score, valid, protect)
+    order = key.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :count]
+    return key.shape[-1] - 1 - order
 
 
 def first_free(valid: torch.Tensor, usable: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,9 +20,10 @@ def next_slot_by_hand(score, valid, protect):
 
 
 def kept_by_hand(score, valid, protect, count):
-    """One row: every protected valid slot, then the best scored valid ones, `count` in all (or all valid)."""
-    protected = [j for j in range(len(valid)) if valid[j] and protect[j]]
-    rest = sorted((j for j in range(len(valid)) if valid[j] and not protect[j]), key=lambda j: -score[j])
+    """One row: every protected valid slot, then the best scored valid ones, `count` in all (or all
+    valid); among equal keys the higher index."""
+    protected = [j for j in reversed(range(len(valid))) if valid[j] and protect[j]]
+    rest = sorted((j for j in range(len(valid)) if valid[j] and not protect[j]), key=lambda j: (-score[j], -j))
     return set((protected + rest)[:count])
 
 
@@ -54,6 +55,29 @@ def test_choose_keep_is_the_rule():
         got = set(kept[row].tolist())
         assert expected <= got  # and the rest, if any, are free slots (fewer valid than count)
         assert all(not valid[row, j] for j in got - expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.long])
+def test_choose_keep_breaks_ties_by_index(dtype):
+    generator = torch.Generator().manual_seed(2)
+    rows, slots, count = 200, 16, 7
+    score = torch.randint(0, 4, (rows, slots), generator=generator).to(dtype)  # many ties
+    valid = torch.ones(rows, slots, dtype=torch.bool)
+    protect = torch.rand(rows, slots, generator=generator) < 0.5  # often more protected slots than count
+    kept = choose_keep(score, valid, count, protect)
+    assert [set(k) for k in kept.tolist()] == [kept_by_hand(s, v, p, count) for s, v, p in
+                                               zip(score.tolist(), valid.tolist(), protect.tolist(), strict=True)]
+
+
+def test_a_prompt_cut_does_not_depend_on_its_padding():
+    """A left-padded prompt whose tokens all rank +inf (SnapKV's observation window) and do not all fit:
+    the same tokens are dropped, the oldest, however far the batch pads the prompt."""
+    length, count = 31, 30
+    for padding in (1, 33, 97):
+        score = torch.cat([torch.full((padding,), float("-inf")), torch.full((length,), float("inf"))])
+        valid = torch.arange(padding + length) >= padding
+        kept = choose_keep(score[None], valid[None], count)[0] - padding
+        assert sorted(kept.tolist()) == list(range(length - count, length))
 
 
 def test_first_free_and_per_head_usable():
