@@ -160,6 +160,10 @@ def draw_lines(ax, data: pd.DataFrame, column: str, palette: dict[str, str], err
     ax.grid(alpha=0.3)
 
 
+LEGEND_ROWS = 12
+LEGEND_COLUMN_INCHES = 2.4
+
+
 def add_legend(figure: Figure, runs: pd.DataFrame, bars: bool = False, below: bool = False,
                only: set[str] | None = None) -> None:
     """One legend for the figure, beside the panels (in rows under them when `below`), of the series
@@ -181,7 +185,11 @@ def add_legend(figure: Figure, runs: pd.DataFrame, bars: bool = False, below: bo
         hollow = Line2D([], [], linestyle="none", marker="o", color="0.4", markerfacecolor="white")
         handles["incomplete run"] = Patch(facecolor="white", edgecolor="0.4", hatch=HATCH) if bars else hollow
         labels.append("incomplete run")
-    where = {"loc": "outside lower center", "ncols": min(len(labels), 7)} if below else {"loc": "outside right upper"}
+    # Beside the panels, a column holds LEGEND_ROWS entries: a taller one would run off the figure.
+    where = ({"loc": "outside lower center", "ncols": min(len(labels), 7)} if below
+             else {"loc": "outside right upper", "ncols": -(-len(labels) // LEGEND_ROWS)})
+    if not below:  # each further column widens the figure, so the panels keep their width
+        figure.set_figwidth(figure.get_figwidth() + LEGEND_COLUMN_INCHES * (where["ncols"] - 1))
     figure.legend([handles[t] for t in labels], labels, frameon=False, **where)
 
 
