@@ -53,7 +53,9 @@ def method_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     if TARGET not in fields:
         raise UserError(f"method {config.get('name', '?')!r}: its config names no class (`_target_`)")
     variants = getattr(locate(fields[TARGET]), "variant_classes", {})
-    if fields.get("variant") in variants:
+    # Only a config that names one of the family's own classes is redirected: a user's subclass of
+    # one (a method of one's own built on StreamingLLM) stays the class it names.
+    if fields.get("variant") in variants and fields[TARGET] in variants.values():
         fields[TARGET] = variants[fields["variant"]]
     return fields
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from baselines.streaming import StreamingPolicy
 from evals.configs import group_options, method_config
 from longflow.errors import UserError
 from longflow.methods import build_policy, locate
@@ -39,3 +40,13 @@ def test_bad_configs_are_one_user_error(config, needle):
 def test_an_unknown_method_names_the_choices():
     with pytest.raises(UserError, match="unknown method 'nothing'; choose one of: .*longflow"):
         method_config("nothing")
+
+
+class OwnStreaming(StreamingPolicy):
+    """A user's method built on StreamingLLM's class, which writes its variants as classes."""
+
+
+def test_a_subclass_of_a_variant_class_stays_its_own_class():
+    policy = build_policy({**method_config("streaming"), "_target_": f"{__name__}.OwnStreaming"}, 64)
+    assert type(policy) is OwnStreaming
+    assert type(build_policy(method_config("streaming"), 64)).__name__ == "StreamingPolicy"

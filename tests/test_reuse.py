@@ -70,6 +70,15 @@ def tightest_budget(method: str, fields: dict, prompt: int, total: int, model: s
     raise AssertionError(f"{method} never holds {total} tokens whole")
 
 
+def never_answers(method: str, fields: dict, model: str) -> bool:
+    """Whether `method` keeps the conservative default: it claims to compress even a sequence of two
+    tokens under a budget of 4096 (its storage hooks are its own and it does not answer for them)."""
+    spec = row_spec(tiny_engine(model), 1, types.SimpleNamespace(max_new_tokens=NEW))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return policy_of(method, 4096, **fields).compresses_within(1, 2, spec)
+
+
 def full_cache_run(root, base) -> tuple:
     """(root, the full cache's run name, its records by id, the run's overrides)."""
     metrics = run(root, "method=vanilla", base=base)
@@ -125,6 +134,12 @@ def check_reuse(full_cache, method: str, variant: str | None, *engine: str) -> N
     fields = {} if variant is None else {"variant": variant}
     lengths = sorted((r["prompt_tokens"], r["prompt_tokens"] + r["output_tokens"]) for r in vanilla.values())
     prompt, total = sorted(lengths, key=lambda pair: pair[1])[len(lengths) // 2 - 1]
+    if never_answers(method, fields, model):  # the conservative default: nothing is ever copied
+        overrides = [f"method={method}", "budget=4096", *(f"method.{k}={v}" for k, v in fields.items()), *engine]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert run(root, *overrides, "reuse_full_cache=exact", base=base)["reused_share"] == 0
+        return
     budget = tightest_budget(method, fields, prompt, total, model)
     overrides = [f"method={method}", f"budget={budget}", *(f"method.{k}={v}" for k, v in fields.items()), *engine]
     with warnings.catch_warnings():
