@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from longflow.errors import UserError
-from longflow.policy import IDLE, CacheSpec, KVPolicy, Observation
+from longflow.policy import IDLE, CacheSpec, KVPolicy, Observation, one_of
 from longflow.rotary import rotate_half, unrotate
 
 AGGREGATES = ("max", "mean")
@@ -169,10 +169,8 @@ class BeaconKVPolicy(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.aggregate not in AGGREGATES:
-            raise UserError(f"{self.name}: aggregate must be one of {AGGREGATES}, got {self.aggregate!r}")
-        if self.score_on not in SCORES_ON:
-            raise UserError(f"{self.name}: score_on must be one of {SCORES_ON}, got {self.score_on!r}")
+        one_of(self.name, "aggregate", self.aggregate, AGGREGATES)
+        one_of(self.name, "score_on", self.score_on, SCORES_ON)
         if self.n_recent < 0 or self.n_beacons < 0 or self.n_recent + self.n_beacons < 1:
             raise UserError(f"{self.name}: needs n_recent, n_beacons >= 0, not both 0, got {self.n_recent}, "
                             f"{self.n_beacons}")

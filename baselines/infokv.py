@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation, shrink_interval
+from longflow.policy import CacheSpec, KVPolicy, Observation, keep_after_cut, one_of
 from longflow.slots import SlotState
 
 GRANULARITIES = ("layer", "kv_head")
@@ -166,10 +166,8 @@ class InfoKVPolicy(KVPolicy):
         super().__post_init__()
         if not 0.0 <= self.alpha <= 1.0:
             raise UserError(f"{self.name}: alpha must be in [0, 1], got {self.alpha}")
-        if self.granularity not in GRANULARITIES:
-            raise UserError(f"{self.name}: granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        if self.layer_state not in LAYER_STATES:
-            raise UserError(f"{self.name}: layer_state must be one of {LAYER_STATES}, got {self.layer_state!r}")
+        one_of(self.name, "granularity", self.granularity, GRANULARITIES)
+        one_of(self.name, "layer_state", self.layer_state, LAYER_STATES)
         if self.top_k < 1 or self.window < 1 or self.compress_every < 1:
             raise UserError(f"{self.name}: top_k, window and compress_every must be >= 1, got {self.top_k}, "
                             f"{self.window}, {self.compress_every}")
@@ -178,8 +176,7 @@ class InfoKVPolicy(KVPolicy):
         self.shared_selection = self.granularity == "layer"
         self.recent = self.window  # the window in force: queries scored with and newest tokens kept
         if self.budget is not None:
-            self.keep_after = self.budget - shrink_interval(self.name, self.budget, self.compress_every,
-                                                            least_kept=2)
+            self.keep_after = keep_after_cut(self.name, self.budget, self.compress_every, least_kept=2)
             if self.keep_after <= self.window:
                 # A budget this small (a test's, a small sweep point) keeps a window of half the cut.
                 self.recent = self.keep_after // 2

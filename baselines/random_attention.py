@@ -50,9 +50,9 @@ import torch
 
 from baselines.rpc import capped_interval, newest_held
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation
+from longflow.policy import CacheSpec, KVPolicy, Observation, one_of
 from longflow.sampling import row_uniform
-from longflow.slots import SlotState
+from longflow.slots import SlotState, prompt_mark
 
 BUDGET_MODES = ("cap", "target")
 PROMPT = "prompt"  # per-slot state: the slot holds a prompt token
@@ -105,8 +105,7 @@ class RandomAttentionPolicy(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.budget_mode not in BUDGET_MODES:
-            raise UserError(f"{self.name}: budget_mode must be one of {BUDGET_MODES}, got {self.budget_mode!r}")
+        one_of(self.name, "budget_mode", self.budget_mode, BUDGET_MODES)
         if self.recent < 1 or self.compress_every < 1:
             raise UserError(f"{self.name}: recent and compress_every must be >= 1, got {self.recent}, "
                             f"{self.compress_every}")
@@ -129,13 +128,7 @@ class RandomAttentionPolicy(KVPolicy):
         return self.slots_held
 
     def slot_state(self) -> dict[str, SlotState]:
-        return {PROMPT: SlotState(dtype=torch.bool, fill=False)}
-
-    def on_prompt_stored(self, layer: int, kept: torch.Tensor, scores: torch.Tensor | None) -> None:
-        """The held prompt slots are marked (a decode write clears the mark of its slot)."""
-        slots = self.layers[layer]
-        count = kept.shape[-1]
-        slots.state[PROMPT][..., :count] = slots.valid[..., :count]
+        return {PROMPT: prompt_mark()}
 
     def protected(self, obs: Observation) -> torch.Tensor:
         """The `recent` newest tokens and, with `protect_prompt`, the prompt's first K - 1 held slots

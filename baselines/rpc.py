@@ -52,8 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from longflow.errors import UserError
-from longflow.policy import IDLE, CacheSpec, KVPolicy, Observation, shrink_interval
-from longflow.slots import SlotState
+from longflow.policy import IDLE, CacheSpec, KVPolicy, Observation, one_of, shrink_interval
+from longflow.slots import SlotState, prompt_mark
 
 BUDGET_MODES = ("cap", "ratio")
 POOLINGS = ("avgpool", "maxpool")
@@ -186,12 +186,9 @@ class RPCPolicy(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        for field, value, options in (("budget_mode", self.budget_mode, BUDGET_MODES),
-                                      ("pooling", self.pooling, POOLINGS),
-                                      ("aggregation", self.aggregation, AGGREGATIONS),
-                                      ("selectors", self.selectors, SELECTORS)):
-            if value not in options:
-                raise UserError(f"{self.name}: {field} must be one of {options}, got {value!r}")
+        for field, options in (("budget_mode", BUDGET_MODES), ("pooling", POOLINGS),
+                               ("aggregation", AGGREGATIONS), ("selectors", SELECTORS)):
+            one_of(self.name, field, getattr(self, field), options)
         if self.compress_every < 1 or self.window < 1:
             raise UserError(f"{self.name}: compress_every and window must be >= 1, got "
                             f"{self.compress_every}, {self.window}")
@@ -224,13 +221,7 @@ class RPCPolicy(KVPolicy):
         return self.window
 
     def slot_state(self) -> dict[str, SlotState]:
-        return {PROMPT: SlotState(dtype=torch.bool, fill=False)}
-
-    def on_prompt_stored(self, layer: int, kept: torch.Tensor, scores: torch.Tensor | None) -> None:
-        """The held prompt slots are marked (a decode write clears the mark of its slot)."""
-        slots = self.layers[layer]
-        count = kept.shape[-1]
-        slots.state[PROMPT][..., :count] = slots.valid[..., :count]
+        return {PROMPT: prompt_mark()}
 
     # ---- the score ---------------------------------------------------------------------------
 

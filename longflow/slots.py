@@ -48,6 +48,16 @@ class SlotState:
     on_prompt: Callable[[Any], torch.Tensor] | None = None
 
 
+
+def held_prompt(prompt) -> torch.Tensor:
+    """`SlotState.on_prompt` of `prompt_mark`: every real prompt token, `[B, Hkv, L]` bool."""
+    return prompt.valid
+
+
+def prompt_mark() -> SlotState:
+    """A per-slot bool: the slot holds a prompt token (set at prefill; a decode write clears it)."""
+    return SlotState(dtype=torch.bool, fill=False, on_prompt=held_prompt)
+
 class LayerSlots:
     """Static buffers of one layer.
 

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import LONG_TEXTS, drive_layer, generate, tiny_model
+from helpers import LONG_TEXTS, capped, drive_layer, generate, tiny_model
 from safetensors.torch import load_file, save_file
 from transformers import AttentionInterface
 
@@ -97,34 +97,13 @@ def test_argmin_eviction_equals_a_plain_simulation(tmp_path):
             assert [log[b][h] for log in held_log] == simulate(scores, length, capacity, steps)
 
 
-class PerHeadChecked(LKVPolicy):
-    """LKV asserting after every store and attention call that no head holds more than its capacity
-    and that the layers' slots sum to at most layers x budget."""
-
-    def _check(self, layer):
-        held = self.layers[layer].valid.sum(dim=-1)  # [B, Hkv]
-        assert (held <= torch.tensor(self.head_slots[layer])).all()
-        assert sum(self.layer_slots) <= len(self.layers) * self.budget
-
-    def store(self, layer, k, v):
-        out = super().store(layer, k, v)
-        if not self.prefilling:
-            self._check(layer)
-        return out
-
-    def attend(self, layer, q, k, v, scale):
-        out = super().attend(layer, q, k, v, scale)
-        self._check(layer)
-        return out
-
-
 def test_every_head_within_its_capacity_at_every_step(tmp_path):
     model, tokenizer = tiny_model("qwen3")  # 2 layers, 2 KV heads, head dim 16
     path = weights_file(tmp_path, 2, 2, 16, [[0.4, -0.3], [0.0, 0.2]])
     made = []
 
     def factory():
-        made.append(PerHeadChecked(24, weights=path))
+        made.append(capped(LKVPolicy)(24, weights=path))
         return made[-1]
 
     prompts, result = generate((model, tokenizer), factory, LONG_TEXTS, max_new_tokens=60)

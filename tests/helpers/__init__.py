@@ -126,11 +126,15 @@ def method_defaults(cls) -> dict:
 
 def capped(cls):
     """`cls` with the budget asserted as a hard cap after every store, attention call and step (under
-    `budget_scope: total`, on the layers together: each within its own capacity)."""
+    `budget_scope: total`, on the layers together: each within its own capacity; with per-head
+    capacities, each KV head within its own)."""
 
     class Checked(cls):
         def _check(self, layer):
-            held = self.layers[layer].valid.sum(dim=-1)  # [B, Hkv]
+            slots = self.layers[layer]
+            held = slots.valid.sum(dim=-1)  # [B, Hkv]
+            if slots.usable is not None:
+                assert (held <= slots.usable.sum(dim=-1)).all(), f"{self.name}: a head of layer {layer} over capacity"
             if self.budget_scope == "total":  # each layer within its capacity, all of them within layers x budget
                 assert int(held.max()) <= self.layers[layer].slots, f"{self.name}: layer {layer} over its capacity"
                 total = sum(slots.valid.sum(dim=-1).amax(dim=-1) for slots in self.layers)  # [B]
