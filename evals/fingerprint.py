@@ -62,21 +62,37 @@ def source_hashes(files: list[Path]) -> dict[str, str]:
     return hashes
 
 
-def _git(*args: str) -> str | None:
+def git(*args: str) -> str | None:
     try:
         return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
-                              check=True).stdout
+                              check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+# Untracked files count as changes only inside what a run imports or reads: a notebook or a folder of
+# wheels beside the checkout changes nothing a run computes, and would mark every run dirty.
+CODE_PATHS = ("longflow", "baselines", "evals", "conf", "pyproject.toml")
+
+
+def uncommitted_changes() -> str | None:
+    """`git status --porcelain` lines of the tracked changes anywhere and the untracked files under
+    CODE_PATHS; "" for a clean tree, None outside git."""
+    tracked = git("status", "--porcelain", "--untracked-files=no")
+    untracked = git("status", "--porcelain", "--untracked-files=all", "--", *CODE_PATHS)
+    if tracked is None or untracked is None:
+        return None
+    lines = tracked.splitlines() + [line for line in untracked.splitlines() if line.startswith("??")]
+    return "\n".join(lines)
 
 
 def code_record(policy: Any) -> dict[str, Any]:
     """The code of a run start: `fingerprint` (one hash of `files`), `files` (each source's hash),
     `git_commit`, `dirty` (uncommitted changes; None outside git) and `diff` (hash of `git diff HEAD`)."""
     files = source_hashes([*policy_sources(policy), *library_sources()])
-    status = _git("status", "--porcelain")
-    diff = _git("diff", "HEAD") if status else None
-    commit = _git("rev-parse", "HEAD")
+    status = uncommitted_changes()
+    diff = git("diff", "HEAD") if status else None
+    commit = git("rev-parse", "HEAD")
     return {
         "fingerprint": hashlib.sha256(repr(sorted(files.items())).encode()).hexdigest()[:16],
         "files": files,

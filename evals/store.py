@@ -25,7 +25,6 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from importlib import metadata
@@ -281,16 +280,8 @@ def _json_text(value: Any) -> str:
 
 def provenance(seeds: dict[str, int], device: torch.device) -> dict[str, Any]:
     """Where and with what a run was made: git state, package versions, the device (`evals.gpus`), seeds."""
+    from evals.fingerprint import git, uncommitted_changes
     from evals.gpus import device_record
-
-    repo = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
 
     packages = {}
     for name in ("torch", "transformers", "triton", "datasets", "hydra-core", "math-verify", "longflow-bench"):
@@ -300,7 +291,7 @@ def provenance(seeds: dict[str, int], device: torch.device) -> dict[str, Any]:
             packages[name] = None
     import torch
 
-    status = git("status", "--porcelain")
+    status = uncommitted_changes()
     return {
         "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": bool(status) if status is not None else None,
