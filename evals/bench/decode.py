@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -149,21 +150,27 @@ def main() -> None:
     for _ in range(args.settle):
         report(time_engine(model, methods[0], args.budget, prompts, args.new, not args.no_cuda_graph, settings[0])
                | {"method": f"{methods[0]} (settling run, not in the table)"})
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    setting = dict(model=args.model, batch=args.batch, prompt=args.prompt, device=gpu)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
+
+    def record(row: dict) -> None:
+        # Rewritten after every method: a process stopped by a time limit keeps the rows it timed.
+        rows.append(row)
+        report(row)
+        pd.DataFrame(rows).assign(**setting).to_csv(out, index=False)
+
     for compile_step in settings:
         for method in methods:
-            rows.append(time_engine(model, method, args.budget, prompts, args.new, not args.no_cuda_graph,
-                                     compile_step))
-            report(rows[-1])
+            record(time_engine(model, method, args.budget, prompts, args.new, not args.no_cuda_graph, compile_step))
     if args.hf_generate:
-        rows.append(time_hf_generate(model, prompts, args.hf_new or args.new))
-        report(rows[-1])
+        record(time_hf_generate(model, prompts, args.hf_new or args.new))
 
-    table = pd.DataFrame(rows)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     heading = (f"{args.model} (random weights, {spec.dtype}), batch {args.batch}, prompt {args.prompt}, "
                f"{args.new} new tokens, budget {args.budget}, on {gpu}")
-    write_table(table, args.out, heading, dict(model=args.model, batch=args.batch, prompt=args.prompt, device=gpu))
+    write_table(pd.DataFrame(rows), out, heading, setting)
 
 
 if __name__ == "__main__":
