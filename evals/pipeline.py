@@ -235,7 +235,6 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     engine = Engine(model, lambda: copy.deepcopy(setup.policy), eos_token_ids(model, tokenizer), pad_id,
                     setup.engine)
-    engine.warm_up()
     seeds = {"generation": setup.generation.seed, "dataset": cfg["dataset"]["seed"], "init": setup.model.init_seed}
     code = code_record(setup.policy)
     return [run_dataset(job, setup, engine, tokenizer, Path(cfg["results_dir"]), config_yaml, seeds, code)
@@ -349,6 +348,10 @@ def generate_batches(work, job: Job, setup: Setup, engine, tokenizer, prompts) -
     """
     batch_size, remaining = setup.engine.batch_size, list(work)
     produce = serve_units if setup.engine.continuous else batch_units
+    if remaining:
+        # At the size the first batch will have, and only when something is generated: a job of two
+        # items, or one whose items all come from the full cache's run, compiles nothing for 64 rows.
+        engine.warm_up(min(batch_size, len(remaining)))
     while remaining:
         done: set[int] = set()
         try:

@@ -135,6 +135,7 @@ class Engine:
         # The attention modules' softmax scale, which the policies' scores use too.
         self.scale = next((module.scaling for module in model.modules()
                            if hasattr(module, "scaling") and hasattr(module, "layer_idx")), None)
+        self.warmed_sizes: set[int] = set()  # the batch sizes `warm_up` ran
         # The decode steps' forward, compiled (`longflow.compile`); None: the model's own, eagerly.
         self.decode_forward = None
         if self.config.compile and self.device.type == "cuda":
@@ -221,11 +222,14 @@ class Engine:
 
     # ---- a static batch ----------------------------------------------------------------------
 
-    def warm_up(self) -> None:
-        """One tiny batch of `batch_size` rows, so that one-time costs (kernel loading, library
-        handles, Triton and `torch.compile` compilation for that batch size, graph pools) stay out
-        of the first timed batch."""
-        rows = self.config.batch_size
+    def warm_up(self, rows: int | None = None) -> None:
+        """One tiny batch of `rows` rows (default `batch_size`), so that one-time costs (kernel loading,
+        library handles, Triton and `torch.compile` compilation for that batch size, graph pools) stay
+        out of the first timed batch of that size. Once per size: a second call for it does nothing."""
+        rows = rows or self.config.batch_size
+        if rows in self.warmed_sizes:
+            return
+        self.warmed_sizes.add(rows)
         self.generate([[self.pad_id] * ALIGN] * rows, GenerationConfig(max_new_tokens=4, ignore_eos=True),
                       list(range(rows)))
 

@@ -271,7 +271,7 @@ def fail_above(monkeypatch, limit: int, error: Exception) -> list[int]:
                                    RuntimeError("CUDA error: out of memory")])
 def test_out_of_memory_halves_the_batch_and_loses_nothing(monkeypatch, tmp_path, error, continuous, expected_sizes):
     sizes = fail_above(monkeypatch, 1, error)
-    monkeypatch.setattr("longflow.engine.Engine.warm_up", lambda engine: None)
+    monkeypatch.setattr("longflow.engine.Engine.warm_up", lambda engine, rows=None: None)
     [metrics] = evaluate(compose_config(*BASE, "engine.batch_size=4", "limit=5", "dataset.names=[demo_math]",
                                         f"engine.continuous={continuous}", f"results_dir={tmp_path}"))
     [run] = run_dirs(tmp_path)
@@ -294,9 +294,20 @@ def test_static_batches_and_continuous_batching_give_the_same_records(reference,
         assert not any(batch["continuous"] for batch in batches)
 
 
+def test_warm_up_runs_at_the_first_batch_size_and_only_when_something_is_generated(monkeypatch, tmp_path):
+    sizes = []
+    monkeypatch.setattr("longflow.engine.Engine.warm_up", lambda engine, rows=None: sizes.append(rows))
+    config = compose_config(*BASE, "engine.batch_size=8", "limit=3", "dataset.names=[demo_math]",
+                            f"results_dir={tmp_path}")
+    evaluate(config)
+    assert sizes == [3]  # three items: no compilation for eight rows
+    evaluate(config)  # complete: nothing to generate, nothing to warm up
+    assert sizes == [3]
+
+
 def test_out_of_memory_at_batch_size_1_is_one_clear_line(monkeypatch, tmp_path):
     fail_above(monkeypatch, 0, __import__("torch").OutOfMemoryError("CUDA out of memory"))
-    monkeypatch.setattr("longflow.engine.Engine.warm_up", lambda engine: None)
+    monkeypatch.setattr("longflow.engine.Engine.warm_up", lambda engine, rows=None: None)
     with pytest.raises(UserError, match="out of memory on cpu generating one sequence"):
         evaluate(compose_config(*BASE, "engine.batch_size=2", "limit=1", "dataset.names=[demo_math]",
                                 f"results_dir={tmp_path}"))
