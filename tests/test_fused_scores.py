@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from helpers import drive_layer  # noqa: E402
+from helpers import drive_layer, generate, tiny_model  # noqa: E402
 
 import longflow.policy  # noqa: E402
 from baselines.h2o import H2OPolicy  # noqa: E402
@@ -98,3 +98,13 @@ def test_a_subclass_with_its_own_score_stays_eager():
     drive_layer(policy, q, k, v, pad, steps, 0.25)
     assert policy.fused_score(q[:, :, 0]) is None
     assert TOVAPolicy(8, use_kernel="triton").fused_score(q[:, :, 0]) is not None
+
+
+def test_a_tiny_model_generates_the_eager_tokens_through_the_kernel():
+    """The whole model (tiny Qwen3, fp32, 2 layers) through the engine: H2O's fused steps give the
+    eager steps' tokens, with the prompts cut at prefill and an eviction at every step."""
+    model, tokenizer = tiny_model("qwen3")
+    texts = ["Solve for x: 3x + 7 = 22, then add five.", "A train leaves at noon at 60 mph; when?"]
+    _, fused = generate((model, tokenizer), lambda: H2OPolicy(12, use_kernel="triton"), texts, max_new_tokens=10)
+    _, eager = generate((model, tokenizer), lambda: H2OPolicy(12, use_kernel="eager"), texts, max_new_tokens=10)
+    assert fused.tokens == eager.tokens
