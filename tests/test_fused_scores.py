@@ -1,6 +1,7 @@
-"""H2O, VATP and TOVA decoded through the fused kernel's score epilogues give the eager path's steps:
-the same held slots at every step, outputs, accumulated scores, value norms and next slots, for every
-variant, on rows of different prompt lengths (prefill compression in some), GQA and plain MHA.
+"""H2O, VATP, TOVA and LongFlow per KV head decoded through the fused kernel's score epilogues give the
+eager path's steps: the same held slots at every step, outputs, accumulated scores, value norms and
+next slots, for every variant, on rows of different prompt lengths (prefill compression in some), GQA
+and plain MHA.
 
 On a machine without CUDA the kernel runs in Triton's interpreter (`use_kernel: triton`; the
 environment line above the imports); shapes stay small there.
@@ -24,6 +25,7 @@ from baselines.tova import TOVAPolicy  # noqa: E402
 from baselines.vatp import VATPPolicy  # noqa: E402
 from longflow.errors import UserError  # noqa: E402
 from longflow.kernels import scored_attention  # noqa: E402
+from longflow.method import LongFlowPolicy  # noqa: E402
 
 METHODS = {
     "h2o_paper": lambda budget, kernel: H2OPolicy(budget, use_kernel=kernel),
@@ -31,6 +33,9 @@ METHODS = {
     "vatp_paper": lambda budget, kernel: VATPPolicy(budget, n_sink=2, use_kernel=kernel),
     "vatp_lf_repo": lambda budget, kernel: VATPPolicy(budget, variant="lf_repo", use_kernel=kernel),
     "tova": lambda budget, kernel: TOVAPolicy(budget, use_kernel=kernel),
+    "longflow_kv_head": lambda budget, kernel: LongFlowPolicy(budget, granularity="kv_head", n_sink=1,
+                                                              protect_newest=True,
+                                                              use_kernel="reference" if kernel == "eager" else kernel),
 }
 
 
