@@ -14,9 +14,11 @@ own) and which per-slot state it keeps (`slot_state`). Its `schedule` says when 
   compacted in position order.
 
 The base class owns the slot cache (`longflow.slots.SlotCache`), the query history
-(`longflow.history`), prompt compression, the budget's capacities and the peak count. Methods
-that fuse the whole decode attention override `decode` (LongFlow's kernel returns the next slot
-itself; the full cache appends).
+(`longflow.history`), prompt compression, the budget's capacities and the peak count. A step
+method whose score is a function of the step's probabilities and per-slot state may declare it as
+an epilogue of the fused decode kernel (`fused_score`: H2O, VATP, TOVA); `decode` then runs that
+kernel, which also chooses the next slot. Methods that fuse the whole decode attention otherwise
+override `decode` (LongFlow's kernel returns the next slot itself; the full cache appends).
 
 Call order, driven by the engine (`longflow.engine`) through `PolicyCache` and the `kv_policy`
 attention function (`longflow.cache`):
