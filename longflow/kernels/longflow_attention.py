@@ -30,6 +30,12 @@ cost as much. The work is split in two launches (no memset, no host sync):
    index) goes into one int64 by `atomic_min` and the last range to finish writes the slot, so
    no third launch is needed (the attention pass initialises that state).
 
+The score pass also serves the other step methods whose score is a function of the step's
+probabilities and per-slot state (`scored_attention`, `SCORES`): compile-time switches choose the
+epilogue (the bare logit in the scratch instead of logit + log2 ||v||_1; a per-slot accumulator
+updated in place, H2O's; a per-slot value norm, VATP's), and the grid has one program per selection:
+per row, or per KV head over its G query heads (`SELECTIONS`), each with its own argmin.
+
 The attention pass also serves plain decode attention (`flash_decode`, vanilla's): with `SCORE`
 off it writes no scratch, and with `BOUNDED` each program reads its row's filled length from a
 device tensor and splits only those slots among the grid's programs, so the grid stays static (one
