@@ -27,6 +27,10 @@ from longflow.errors import UserError  # noqa: E402
 from longflow.kernels import scored_attention  # noqa: E402
 from longflow.method import LongFlowPolicy  # noqa: E402
 
+# The layer and the tiny model live on the CPU here: with CUDA present the kernel would get CPU tensors
+# outside the interpreter. test_gpu's test_fused_scores_give_the_eager_tokens covers the GPU.
+on_the_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter")
+
 METHODS = {
     "h2o_paper": lambda budget, kernel: H2OPolicy(budget, use_kernel=kernel),
     "h2o_lf_repo": lambda budget, kernel: H2OPolicy(budget, variant="lf_repo", use_kernel=kernel),
@@ -53,6 +57,7 @@ def random_case(seed, q_heads, kv_heads, batch=3, length=14, head_dim=16, steps=
     return q, k, v, pad, decode
 
 
+@on_the_cpu
 @pytest.mark.parametrize("budget", [8, 20])  # prompts cut at prefill and full caches early / free slots long
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("method", list(METHODS))
@@ -105,6 +110,7 @@ def test_a_subclass_with_its_own_score_stays_eager():
     assert TOVAPolicy(8, use_kernel="triton").fused_score(q[:, :, 0]) is not None
 
 
+@on_the_cpu
 def test_a_tiny_model_generates_the_eager_tokens_through_the_kernel():
     """The whole model (tiny Qwen3, fp32, 2 layers) through the engine: H2O's fused steps give the
     eager steps' tokens, with the prompts cut at prefill and an eviction at every step."""
