@@ -33,6 +33,15 @@ Deviations from the paper, and why:
     of the step that writes it, its own query included, as in the paper's code.
   - `compress_every` other than 1 is not implemented (the paper evicts every step).
 
+Decode kernel (`use_kernel`, a switch for tests and benchmarks that changes no score, outside the
+yaml and a run's identity as vanilla's): `auto` (default) computes the step on CUDA in the fused
+decode kernel (`longflow.kernels.scored_attention`: attention, the score above with the accumulator
+updated in place, and the next slot, in LongFlow's two launches), elsewhere in the eager attention
+with float32 probabilities; `triton` the kernel everywhere (Triton's interpreter on the CPU), `eager`
+the eager path everywhere. The kernel's logits are float32 products of the model-dtype q and k, the
+eager path's are rounded to the model dtype first (as HF's eager attention): in bf16 the two may
+break a near-tie differently.
+
 `VATPPolicy` (baselines/vatp.py) reuses this machinery with a different score and attention sinks.
 
 Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, L padded prompt length,
@@ -46,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from longflow.errors import UserError
-from longflow.policy import VARIANTS, KVPolicy, Observation, one_of
+from longflow.policy import FUSED_KERNELS, VARIANTS, FusedScore, KVPolicy, Observation, fused_kernel, one_of, overrides
 from longflow.selection import sink_mask
 from longflow.slots import SlotState
 
@@ -93,17 +102,19 @@ def prompt_attention_sums(
 
 @dataclass(eq=False)
 class H2OPolicy(KVPolicy):
-    """H2O (see the module docstring). Fields: `variant`, `heavy_ratio`, `compress_every`."""
+    """H2O (see the module docstring). Fields: `variant`, `heavy_ratio`, `compress_every`, `use_kernel`."""
 
     variant: str = "paper"
     heavy_ratio: float = 0.5
     compress_every: int = 1
+    use_kernel: str = "auto"
 
     name = "h2o"
 
     def __post_init__(self):
         super().__post_init__()
         one_of(self.name, "variant", self.variant, VARIANTS)
+        one_of(self.name, "use_kernel", self.use_kernel, FUSED_KERNELS)
         if not 0 <= self.heavy_ratio < 1:
             raise UserError(f"{self.name}: heavy_ratio must be in [0, 1), got {self.heavy_ratio}")
         if self.compress_every != 1:
@@ -153,6 +164,13 @@ class H2OPolicy(KVPolicy):
             received += attention
             attention = received
         return self.weigh(attention, self.held_value_norms(obs))
+
+    def fused_score(self, q: torch.Tensor) -> FusedScore | None:
+        """`score` in the fused kernel: the accumulated attention per KV head (paper), the step's
+        attention summed over all heads (lf_repo)."""
+        if not fused_kernel(self.use_kernel, q) or overrides(self, H2OPolicy, ("score", "weigh", "held_value_norms")):
+            return None
+        return FusedScore("accumulated", received="received") if self.accumulate else FusedScore("attention")
 
     def protected(self, obs: Observation) -> torch.Tensor:
         """The newest `recent - 1` positions (the token written next completes the recent window) and

@@ -10,7 +10,9 @@ current query attends to every held slot; slot j scores
 
 (one selection per layer, shared by its KV heads); the next slot is the lowest free one, else the
 lowest-scoring one (`longflow.selection`). A prompt longer than the budget is cut by the same rule
-with the last prompt query's attention, keeping budget - 1 tokens. No field.
+with the last prompt query's attention, keeping budget - 1 tokens. No field but the decode kernel's
+switch `use_kernel` (H2O's, baselines/h2o.py: on CUDA the fused kernel computes the score and the next
+slot; outside the yaml and a run's identity).
 
 Deviations from the official code:
   - Budget accounting. Its cache holds `cache_size` tokens after a reduction and appends the new
@@ -28,14 +30,26 @@ from dataclasses import dataclass
 import torch
 
 from longflow.attention import window_probs
-from longflow.policy import KVPolicy, Observation
+from longflow.policy import FUSED_KERNELS, FusedScore, KVPolicy, Observation, fused_kernel, one_of, overrides
 
 
 @dataclass(eq=False)
 class TOVAPolicy(KVPolicy):
     """TOVA (see the module docstring)."""
 
+    use_kernel: str = "auto"
+
     name = "tova"
+
+    def __post_init__(self):
+        super().__post_init__()
+        one_of(self.name, "use_kernel", self.use_kernel, FUSED_KERNELS)
+
+    def fused_score(self, q: torch.Tensor) -> FusedScore | None:
+        """`score` in the fused kernel: the step's attention summed over every query head, / Hq."""
+        if not fused_kernel(self.use_kernel, q) or overrides(self, TOVAPolicy, ("score",)):
+            return None
+        return FusedScore("attention", weight=1 / q.shape[1])
 
     def score(self, obs: Observation) -> torch.Tensor:
         """The newest query's attention `[n, Hkv, G, S]` averaged over every query head -> `[n, Hkv, S]`."""

@@ -21,6 +21,8 @@ authors' hh_size = recent_size = h is budget 2h + 1 here (docs/methods.md, "VATP
     and computed once per token: when its value is written (prefill, or the decode step that writes
     its slot), into a per-slot state of the cache that moves with the slot like H2O's scores, so a
     decode step does not read the whole value cache a second time.
+  - Decode kernel: H2O's `use_kernel` (baselines/h2o.py): on CUDA the fused kernel computes the score
+    above from the step's probabilities and the kept norms, the accumulator updated in place.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ import torch
 
 from baselines.h2o import H2OPolicy
 from longflow.errors import UserError
-from longflow.policy import Observation
+from longflow.policy import FusedScore, Observation, fused_kernel, overrides
 from longflow.slots import SlotState
 
 
 @dataclass(eq=False)
 class VATPPolicy(H2OPolicy):
-    """VATP (see the module docstring). Fields: `variant`, `heavy_ratio`, `compress_every`, `n_sink`."""
+    """VATP (see the module docstring). Fields: `variant`, `heavy_ratio`, `compress_every`, `use_kernel`,
+    `n_sink`."""
 
     n_sink: int = 20
 
@@ -67,6 +70,15 @@ class VATPPolicy(H2OPolicy):
             return attention * norms  # per KV head
         mean_attention = attention.sum(dim=1, keepdim=True) / self.spec.q_heads  # [B, 1, N]
         return (mean_attention * norms.mean(dim=1, keepdim=True)).expand_as(attention)
+
+    def fused_score(self, q: torch.Tensor) -> FusedScore | None:
+        """`score` in the fused kernel: accumulated attention x the KV head's own ||v||_1 (paper); the
+        step's attention averaged over the query heads x ||v||_2 averaged over the KV heads (lf_repo)."""
+        if not fused_kernel(self.use_kernel, q) or overrides(self, VATPPolicy, ("score", "weigh", "held_value_norms")):
+            return None
+        if self.accumulate:
+            return FusedScore("accumulated_vnorm", received="received", norms="norms")
+        return FusedScore("attention_vnorm_mean", weight=1 / q.shape[1], norms="norms")
 
     # ---- the norm of each held value, kept per slot -------------------------------------------
 

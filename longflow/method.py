@@ -17,7 +17,7 @@ Fields (`conf/method/longflow.yaml`):
   - `budget`: KV slots per layer, a hard cap (prefill included).
   - `granularity`: `layer` (the paper: one slot per layer, shared by all KV heads) or `kv_head`
     (beyond the paper, off by default: each KV head evicts its own slot by the score summed over
-    its G query heads; computed in plain PyTorch with `decode_attention`, not fused).
+    its G query heads; the same fused kernel with one selection per KV head, `scored_attention`).
   - `n_sink`: beyond the paper (default 0): the first `n_sink` positions are never evicted, at
     prefill (their SnapKV score is +inf) and at decode.
   - `protect_newest`: beyond the paper (default off): the token written this step is never the
@@ -47,7 +47,7 @@ import torch
 
 from longflow.errors import UserError
 from longflow.kernels import longflow_attention, reference
-from longflow.policy import VARIANTS, KVPolicy, Observation, one_of
+from longflow.policy import VARIANTS, FusedScore, KVPolicy, Observation, one_of, overrides
 from longflow.selection import sink_mask
 from longflow.snapkv import snapkv_scores
 
@@ -91,7 +91,8 @@ class LongFlowPolicy(KVPolicy):
         """q `[B, Hq, D]` -> out `[B, Hq, D]`; writes `next_slot[layer]` in place, no host sync.
 
         `granularity: layer`: one fused call (the kernel returns the next slot itself, by the rule of
-        `longflow.selection`); `kv_head`: the base class's step, with `score` per KV head.
+        `longflow.selection`); `kv_head`: the base class's step, with `score` per KV head (on the
+        kernel, `fused_score`).
         """
         if self.granularity == "kv_head":
             return super().decode(layer, q, scale)
@@ -102,6 +103,12 @@ class LongFlowPolicy(KVPolicy):
         out, next_slot = attention(q, slots.keys, slots.values, slots.valid[:, 0], scale, protect=protect)
         self.next_slot[layer].copy_(next_slot[:, None].expand_as(self.next_slot[layer]))
         return out
+
+    def fused_score(self, q: torch.Tensor) -> FusedScore | None:
+        """`score` per KV head (`granularity: kv_head`) in the fused kernel, as `decode` picks it."""
+        if self._attention(q) is reference or overrides(self, LongFlowPolicy, ("score",)):
+            return None
+        return FusedScore("longflow")
 
     def _attention(self, q: torch.Tensor):
         if self.use_kernel == "reference" or (self.use_kernel == "auto" and not q.is_cuda):

@@ -14,9 +14,11 @@ own) and which per-slot state it keeps (`slot_state`). Its `schedule` says when 
   compacted in position order.
 
 The base class owns the slot cache (`longflow.slots.SlotCache`), the query history
-(`longflow.history`), prompt compression, the budget's capacities and the peak count. Methods
-that fuse the whole decode attention override `decode` (LongFlow's kernel returns the next slot
-itself; the full cache appends).
+(`longflow.history`), prompt compression, the budget's capacities and the peak count. A step
+method whose score is a function of the step's probabilities and per-slot state may declare it as
+an epilogue of the fused decode kernel (`fused_score`: H2O, VATP, TOVA); `decode` then runs that
+kernel, which also chooses the next slot. Methods that fuse the whole decode attention otherwise
+override `decode` (LongFlow's kernel returns the next slot itself; the full cache appends).
 
 Call order, driven by the engine (`longflow.engine`) through `PolicyCache` and the `kv_policy`
 attention function (`longflow.cache`):
@@ -56,7 +58,7 @@ import torch
 from longflow.attention import decode_attention, masked_decode_attention, prefill_attention, window_probs
 from longflow.errors import UserError
 from longflow.history import QueryHistory
-from longflow.kernels import flash_decode
+from longflow.kernels import flash_decode, scored_attention
 from longflow.selection import choose_keep, choose_next, chosen_mask, first_free, selection_keys
 from longflow.slots import LayerSlots, SlotCache, SlotState
 from longflow.snapkv import snapkv_scores
@@ -83,6 +85,10 @@ STORAGE_HOOKS = ("capacity", "layer_capacities", "head_capacities", "prefill_kee
                  "allocate", "begin_prefill", "begin_decode", "begin_serving", "admit", "before_step",
                  "after_step", "store", "attend", "decode", "attention_only", "choose_next_slot", "store_prompt",
                  "compress", "keep_masks")
+# A step method's decode kernel (its `use_kernel` field, where it has one): `auto`, the fused kernel with
+# its score epilogue on CUDA (`fused_score`) and the eager attention with probabilities elsewhere;
+# `triton`, the kernel everywhere (Triton's interpreter on the CPU: tests); `eager`.
+FUSED_KERNELS = ("auto", "triton", "eager")
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -139,6 +145,31 @@ def one_of(name: str, field_name: str, value: Any, choices: Sequence) -> None:
     """Raises the UserError of a config field whose value is not among `choices`."""
     if value not in choices:
         raise UserError(f"{name}: {field_name} must be one of {tuple(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class FusedScore:
+    """A step method's score as the epilogue of the fused decode kernel (`KVPolicy.fused_score`).
+
+    `score`: a key of `longflow.kernels.longflow_attention.SCORES`; `weight`: its factor; `received`
+    and `norms`: the names of the slot states it reads (`slot_state`), `received` updated in place.
+    """
+
+    score: str
+    weight: float = 1.0
+    received: str | None = None
+    norms: str | None = None
+
+
+def fused_kernel(use_kernel: str, q: torch.Tensor) -> bool:
+    """Whether a `use_kernel` field (`FUSED_KERNELS`) picks the fused kernel for a step on q's device."""
+    return use_kernel == "triton" or (use_kernel == "auto" and q.is_cuda)
+
+
+def overrides(policy: KVPolicy, owner: type, names: Sequence[str]) -> bool:
+    """Whether `policy`'s class replaces any of `owner`'s methods `names`: a subclass that changes the
+    score keeps the eager path, since `owner`'s fused epilogue computes `owner`'s score."""
+    return any(getattr(type(policy), name) is not getattr(owner, name) for name in names)
 
 
 class Observation:
@@ -613,6 +644,9 @@ class KVPolicy:
         """q `[B, Hq, D]` -> out `[B, Hq, D]`; sets `next_slot[layer]` for the next step. Static, no sync."""
         slots = self.layers[layer]
         if self.schedule == "step" and self.step_probs:
+            fused = self.fused_score(q)
+            if fused is not None and slots.usable is None:  # the kernel has no per-head capacities
+                return self.fused_decode(layer, q, scale, fused)
             out, probs = decode_attention(q, slots.keys, slots.values, slots.valid, scale)
             self.choose_next_slot(layer, probs)
             return out
@@ -622,6 +656,28 @@ class KVPolicy:
         else:
             self.choose_next_slot(layer)
         return out
+
+    def fused_score(self, q: torch.Tensor) -> FusedScore | None:
+        """The step's score as an epilogue of the fused decode kernel, for a step on q's device, or
+        None (default): the eager attention with probabilities, then `score`. A method that returns
+        one computes in the kernel what its `score` gives (its tests compare the two paths); the
+        protected slots are still its `protected`."""
+        return None
+
+    def fused_decode(self, layer: int, q: torch.Tensor, scale: float, fused: FusedScore) -> torch.Tensor:
+        """The step in one launch pair (`longflow.kernels.scored_attention`): attention, `fused`'s score
+        with its slot states updated in place, and `next_slot[layer]` by the selection rule."""
+        slots = self.layers[layer]
+        valid, protect = slots.valid, self.protected(Observation(self, layer))
+        protect = None if protect is None else protect.expand_as(valid)
+        if self.shared_selection:  # every KV head of `valid` and `positions` holds the same row
+            valid, protect = valid[:, 0], None if protect is None else protect[:, 0]
+        state = slots.state
+        return scored_attention(
+            q, slots.keys, slots.values, valid, self.next_slot[layer], scale, score=fused.score,
+            per_kv_head=not self.shared_selection, protect=protect, weight=fused.weight,
+            received=None if fused.received is None else state[fused.received],
+            norms=None if fused.norms is None else state[fused.norms])
 
     def attention_only(self, q: torch.Tensor, slots: LayerSlots, scale: float) -> torch.Tensor:
         """Decode attention without probabilities, q `[B, Hq, D]` -> `[B, Hq, D]`, over every slot

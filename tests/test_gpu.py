@@ -215,3 +215,37 @@ def test_compiled_decoding_gives_the_uncompiled_tokens(tiny_cuda, method, budget
     assert not compiled.failed and compiled.compile_seconds > 0
     assert result.cuda_graph and eager.cuda_graph
     assert result.tokens == eager.tokens
+
+
+# The step methods whose score the fused kernel computes (`KVPolicy.fused_score`), every variant.
+FUSED_SCORES = [("h2o", {"variant": "paper"}), ("h2o", {"variant": "lf_repo"}), ("vatp", {"variant": "paper"}),
+                ("vatp", {"variant": "lf_repo"}), ("tova", {}), ("longflow", {"granularity": "kv_head"})]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_cuda():
+    return load_model(tiny_spec("qwen3"), torch.device("cuda"))
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False], ids=["graph", "eager_step"])
+@pytest.mark.parametrize("method,fields", FUSED_SCORES,
+                         ids=["-".join([method, *fields.values()]) for method, fields in FUSED_SCORES])
+def test_fused_scores_give_the_eager_tokens(tiny_qwen3_cuda, method, fields, cuda_graph):
+    """H2O, VATP, TOVA and LongFlow per KV head through the fused kernel (`use_kernel: auto` on CUDA)
+    against their eager attention with probabilities: 300 greedy tokens identical, evicting at every
+    step (budget 48, prompts of 4 repetitions cut at prefill). The tiny model is fp32, where the
+    kernel's logits and the eager matmul's agree to rounding; in bf16 the eager path rounds the logits
+    to bf16 first and a near-tie between two slots' scores could go the other way."""
+    model, tokenizer = tiny_qwen3_cuda
+    prompts = [tokenizer(t * 4)["input_ids"] for t in TEXTS]
+    eager_kernel = "reference" if method == "longflow" else "eager"
+
+    def run(kernel):
+        engine = Engine(model, lambda: policy_of(method, 48, use_kernel=kernel, **fields), [],
+                        tokenizer.pad_token_id, EngineConfig(cuda_graph=cuda_graph))
+        return engine.generate(prompts, GenerationConfig(max_new_tokens=300, ignore_eos=True), [0, 1, 2])
+
+    fused, eager = run("auto"), run(eager_kernel)
+    assert fused.cuda_graph == cuda_graph
+    assert fused.tokens == eager.tokens
+    assert max(fused.peak_slots) <= 48

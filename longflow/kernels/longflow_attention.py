@@ -30,6 +30,12 @@ cost as much. The work is split in two launches (no memset, no host sync):
    index) goes into one int64 by `atomic_min` and the last range to finish writes the slot, so
    no third launch is needed (the attention pass initialises that state).
 
+The score pass also serves the other step methods whose score is a function of the step's
+probabilities and per-slot state (`scored_attention`, `SCORES`): compile-time switches choose the
+epilogue (the bare logit in the scratch instead of logit + log2 ||v||_1; a per-slot accumulator
+updated in place, H2O's; a per-slot value norm, VATP's), and the grid has one program per selection:
+per row, or per KV head over its G query heads (`SELECTIONS`), each with its own argmin.
+
 The attention pass also serves plain decode attention (`flash_decode`, vanilla's): with `SCORE`
 off it writes no scratch, and with `BOUNDED` each program reads its row's filled length from a
 device tensor and splits only those slots among the grid's programs, so the grid stays static (one
@@ -91,7 +97,7 @@ def _partial_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr, SCRATCH_FP16: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr,
     VNORM_MMA: tl.constexpr, KV_EVICT: tl.constexpr, T_EVICT: tl.constexpr,
-    SCORE: tl.constexpr, BOUNDED: tl.constexpr,
+    SCORE: tl.constexpr, BOUNDED: tl.constexpr, VNORM: tl.constexpr, SELECTIONS: tl.constexpr,
 ):
     tl.static_assert(GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
@@ -101,10 +107,11 @@ def _partial_kernel(
     b = (pid // KV_HEADS).to(tl.int64)
     kv_head = pid % KV_HEADS
     if SCORE:
-        if (kv_head == 0) & (split == 0):
-            # The score kernel's cross-program argmin state for row b (it runs after this grid).
-            tl.store(BEST + b, 9223372036854775807)
-            tl.store(ARRIVED + b, 0)
+        if (kv_head < SELECTIONS) & (split == 0):
+            # The score kernel's cross-program argmin state of selection (b, kv_head) (it runs after
+            # this grid): one per row when the heads share a selection, one per KV head otherwise.
+            tl.store(BEST + b * SELECTIONS + kv_head, 9223372036854775807)
+            tl.store(ARRIVED + b * SELECTIONS + kv_head, 0)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -178,19 +185,24 @@ def _partial_kernel(
         m_i = m_new
 
         if SCORE:
-            # Score scratch: t = logit + log2 ||v||_1, so that p * ||v||_1 = exp2(t - m) / l later.
+            # Score scratch: t = logit (+ log2 ||v||_1 for LongFlow's score, VNORM), so that
+            # p (* ||v||_1) = exp2(t - m) / l later.
             # ||v_j||_1 comes from the tensor cores, ones @ |v|^T, already in the layout of the logits
             # (every row equal): a reduction over D would need shuffles and a layout conversion.
             # Floored at 1e-30 so that zero vectors and padding give a very negative number, not -inf.
-            if not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
+            if not VNORM:
+                log_vnorm = 0.0
+            elif not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
                 vnorm = _sum(tl.abs(v.to(tl.float32)), 1)[None, :]
+                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [1, BLOCK_N]
             elif FP32_DOT:
                 ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, tl.float32)
                 vnorm = tl.dot(ones, tl.trans(tl.abs(v.to(tl.float32))), input_precision="ieee")
+                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N], rows equal
             else:
                 ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
                 vnorm = tl.dot(ones, tl.trans(tl.abs(v)))
-            log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N] (rows equal) or [1, BLOCK_N]
+                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N], rows equal
             t_mask = g_ok[:, None] & s_ok[None, :]
             if SCRATCH_FP16:
                 # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
@@ -212,34 +224,45 @@ def _partial_kernel(
 
 @triton.jit
 def _score_kernel(
-    T, TREF, M_PART, L_PART, ACC, OUT, VALID, PROTECT, BEST, ARRIVED, NEXT_SLOT,
-    stride_valid_b, stride_valid_s, stride_protect_b, stride_protect_s,
-    n_slots, n_tiles, chunk, n_splits, n_parts, heads_per_part, inv_norm,
-    Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    T, TREF, M_PART, L_PART, ACC, OUT, VALID, PROTECT, RECEIVED, NORMS, BEST, ARRIVED, NEXT_SLOT,
+    stride_valid_b, stride_valid_h, stride_valid_s, stride_protect_b, stride_protect_h, stride_protect_s,
+    stride_received_b, stride_received_h, stride_received_s, stride_norms_b, stride_norms_h, stride_norms_s,
+    stride_next_b, stride_next_h,
+    n_slots, n_tiles, chunk, n_splits, n_parts, heads_per_part, weight,
+    Q_HEADS: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_HEADS_PAD: tl.constexpr, SELECTIONS: tl.constexpr,
+    KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr, WRITE_HEADS: tl.constexpr, WRITE_HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr, BLOCK_S: tl.constexpr, SUBTILE: tl.constexpr,
     SUBTILES: tl.constexpr, ONE_SPLIT: tl.constexpr, ONE_PART: tl.constexpr, SCRATCH_FP16: tl.constexpr,
-    HAS_PROTECT: tl.constexpr,
+    HAS_PROTECT: tl.constexpr, ACCUMULATE: tl.constexpr, NORMS_MODE: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
+    """One program per selection (row b, and KV head `sel` when each KV head selects its own slot) and
+    slot range. The selection's SEL_HEADS query heads give p_hj; its score is, by the constexprs:
+    `weight * sum_h p_hj` (LongFlow's scratch folds ||v_j||_1 into p), optionally accumulated into
+    RECEIVED in place (ACCUMULATE: score = the accumulated attention) and weighed by NORMS
+    (NORMS_MODE 1: the selection's own KV head's norm, 2: the mean over the KV heads)."""
+    pid = tl.program_id(0)
+    b = (pid // SELECTIONS).to(tl.int64)
+    sel = pid % SELECTIONS
     part = tl.program_id(1)
-    offs_h = tl.arange(0, Q_HEADS_PAD)
+    offs_h = tl.arange(0, SEL_HEADS_PAD)
     offs_p = tl.arange(0, SPLITS_PAD)
-    h_ok = offs_h < Q_HEADS
+    h_ok = offs_h < SEL_HEADS
     p_ok = offs_p < n_splits
 
-    # Final softmax statistics of every query head from the per-split partials.
-    rows = b * Q_HEADS + offs_h
+    # Final softmax statistics of the selection's query heads from the per-split partials.
+    rows = b * Q_HEADS + sel * SEL_HEADS + offs_h
     part_off = rows[:, None] * n_splits + offs_p[None, :]
     part_mask = h_ok[:, None] & p_ok[None, :]
-    m_part = tl.load(M_PART + part_off, mask=part_mask, other=float("-inf"))  # [Hq_PAD, SPLITS_PAD]
+    m_part = tl.load(M_PART + part_off, mask=part_mask, other=float("-inf"))  # [SEL_HEADS_PAD, SPLITS_PAD]
     l_part = tl.load(L_PART + part_off, mask=part_mask, other=0.0)
     m_fin = _max(m_part, 1)
     m_use = tl.where(m_fin == float("-inf"), 0.0, m_fin)
     l_fin = _sum(l_part * tl.exp2(m_part - m_use[:, None]), 1)
     inv_l = tl.where(l_fin > 0, 1.0 / tl.where(l_fin > 0, l_fin, 1.0), 0.0)
 
-    if not ONE_SPLIT:
-        _combine_heads(M_PART, L_PART, ACC, OUT, b, part, heads_per_part, n_splits,
+    if not ONE_SPLIT:  # the row's heads are shared out over all its programs, whatever their selection
+        _combine_heads(M_PART, L_PART, ACC, OUT, b, sel * n_parts + part, heads_per_part, n_splits,
                        Q_HEADS, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, HEAD_TILE)
 
     # Scores of this program's slot range and their argmin: free slots first (key -1, scores are
@@ -252,24 +275,42 @@ def _score_kernel(
     best_idx = tl.full([SUBTILES, SUBTILE], 0, tl.int32)
     t_rows = T + rows[:, None, None] * n_slots
     tref_rows = TREF + rows[:, None] * n_tiles
-    valid_row = VALID + b * stride_valid_b
-    protect_row = PROTECT + b * stride_protect_b
+    valid_row = VALID + b * stride_valid_b + sel * stride_valid_h
+    protect_row = PROTECT + b * stride_protect_b + sel * stride_protect_h
+    received_row = RECEIVED + b * stride_received_b + sel * stride_received_h
+    if NORMS_MODE == 2:  # every KV head's norm of a slot, [KV_HEADS_PAD, 1, 1] row pointers
+        offs_kv = tl.arange(0, KV_HEADS_PAD)
+        norms_rows = NORMS + b * stride_norms_b + offs_kv[:, None, None] * stride_norms_h
+        kv_ok = offs_kv < KV_HEADS
+    else:
+        norms_rows = NORMS + b * stride_norms_b + sel * stride_norms_h
+        kv_ok = h_ok
     lo = part * chunk
     hi = tl.minimum(lo + chunk, n_slots)
     # Every load is issued one tile ahead (no dot here, so the compiler pipelines nothing).
-    t_next, ok_next, protect_next = _score_tile_loads(
-        t_rows, tref_rows, valid_row, protect_row, lo, tile, offs_j, hi, stride_valid_s, stride_protect_s,
-        h_ok, SUBTILE, BLOCK_S, SCRATCH_FP16, HAS_PROTECT)
+    t_next, ok_next, protect_next, received_next, norms_next = _score_tile_loads(
+        t_rows, tref_rows, valid_row, protect_row, received_row, norms_rows, lo, tile, offs_j, hi,
+        stride_valid_s, stride_protect_s, stride_received_s, stride_norms_s, h_ok, kv_ok,
+        SUBTILE, BLOCK_S, SCRATCH_FP16, HAS_PROTECT, ACCUMULATE, NORMS_MODE, KV_HEADS)
     for start in range(lo, hi, BLOCK_S):
         slots = start + tile
         s_ok = slots < hi
         t, ok, protected = t_next, ok_next != 0, protect_next != 0
-        t_next, ok_next, protect_next = _score_tile_loads(
-            t_rows, tref_rows, valid_row, protect_row, start + BLOCK_S, tile, offs_j, hi, stride_valid_s,
-            stride_protect_s, h_ok, SUBTILE, BLOCK_S, SCRATCH_FP16, HAS_PROTECT)
-        # p_hj ||v_j||_1, [Hq_PAD, SUBTILES, SUBTILE], summed over the heads
-        contribution = tl.exp2(t - m_use[:, None, None]) * inv_l[:, None, None]
-        score = _sum(contribution, 0) * inv_norm
+        received, norms = received_next, norms_next
+        t_next, ok_next, protect_next, received_next, norms_next = _score_tile_loads(
+            t_rows, tref_rows, valid_row, protect_row, received_row, norms_rows, start + BLOCK_S, tile, offs_j,
+            hi, stride_valid_s, stride_protect_s, stride_received_s, stride_norms_s, h_ok, kv_ok,
+            SUBTILE, BLOCK_S, SCRATCH_FP16, HAS_PROTECT, ACCUMULATE, NORMS_MODE, KV_HEADS)
+        # p_hj (times ||v_j||_1 for LongFlow), [SEL_HEADS_PAD, SUBTILES, SUBTILE], summed over the heads
+        attention = _sum(tl.exp2(t - m_use[:, None, None]) * inv_l[:, None, None], 0)
+        if ACCUMULATE:
+            # Every slot of the range, as the eager `received += attention` (0 on free slots).
+            score = received + attention
+            tl.store(received_row + slots * stride_received_s, score, mask=s_ok)
+        else:
+            score = attention * weight
+        if NORMS_MODE != 0:
+            score = score * norms
         key = tl.where(ok, score, -1.0)
         if HAS_PROTECT:
             key = tl.where(ok & protected, float("inf"), key)
@@ -279,18 +320,23 @@ def _score_kernel(
         best_idx = tl.where(better, slots, best_idx)
     key_min = _min(_min(best_key, 1), 0)
     idx_min = _min(_min(tl.where(best_key == key_min, best_idx, 2147483647), 1), 0)
+    # The chosen slot goes to WRITE_HEADS entries of the row's next-slot buffer: its own KV head's
+    # (one per head), or every head's when they share the selection.
+    offs_w = tl.arange(0, WRITE_HEADS_PAD)
+    next_ptrs = NEXT_SLOT + b * stride_next_b + (sel + offs_w) * stride_next_h
     if ONE_PART:
-        tl.store(NEXT_SLOT + b, idx_min.to(tl.int64))
+        tl.store(next_ptrs, idx_min.to(tl.int64) + tl.full([WRITE_HEADS_PAD], 0, tl.int64), mask=offs_w < WRITE_HEADS)
     else:
         # The argmin over parts without another launch: (key, index) packed in one int64 whose
         # order is the key's, then the index's (keys are -1 or >= 0: their float bits as int32
         # order the same way), reduced by atomic_min; the last part to arrive writes the result.
         packed = (key_min.to(tl.int32, bitcast=True).to(tl.int64) << 32) | idx_min.to(tl.int64)
-        tl.atomic_min(BEST + b, packed, sem="relaxed")
-        arrived = tl.atomic_add(ARRIVED + b, 1, sem="acq_rel")
+        tl.atomic_min(BEST + pid, packed, sem="relaxed")
+        arrived = tl.atomic_add(ARRIVED + pid, 1, sem="acq_rel")
         if arrived == n_parts - 1:
-            best = tl.atomic_min(BEST + b, packed, sem="acquire")  # the minimum over every part
-            tl.store(NEXT_SLOT + b, best & 2147483647)
+            best = tl.atomic_min(BEST + pid, packed, sem="acquire")  # the minimum over every part
+            tl.store(next_ptrs, (best & 2147483647) + tl.full([WRITE_HEADS_PAD], 0, tl.int64),
+                     mask=offs_w < WRITE_HEADS)
 
 
 @triton.jit
@@ -334,11 +380,14 @@ def _combine_kernel(M_PART, L_PART, ACC, OUT, heads_per_part, n_splits,
 
 
 @triton.jit
-def _score_tile_loads(t_rows, tref_rows, valid_row, protect_row, start, tile, offs_j, hi, stride_valid_s,
-                      stride_protect_s, h_ok, SUBTILE: tl.constexpr, BLOCK_S: tl.constexpr,
-                      SCRATCH_FP16: tl.constexpr, HAS_PROTECT: tl.constexpr):
-    """One score tile from `start`: scratch `[Hq_PAD, SUBTILES, SUBTILE]` as fp32 (absolute), mask
-    and protect bytes `[SUBTILES, SUBTILE]`."""
+def _score_tile_loads(t_rows, tref_rows, valid_row, protect_row, received_row, norms_rows, start, tile, offs_j,
+                      hi, stride_valid_s, stride_protect_s, stride_received_s, stride_norms_s, h_ok, kv_ok,
+                      SUBTILE: tl.constexpr, BLOCK_S: tl.constexpr, SCRATCH_FP16: tl.constexpr,
+                      HAS_PROTECT: tl.constexpr, ACCUMULATE: tl.constexpr, NORMS_MODE: tl.constexpr,
+                      KV_HEADS: tl.constexpr):
+    """One score tile from `start`: scratch `[SEL_HEADS_PAD, SUBTILES, SUBTILE]` as fp32 (absolute),
+    mask and protect bytes, the accumulated attention and the value norm (the mean over the KV heads
+    for NORMS_MODE 2) `[SUBTILES, SUBTILE]`; a state the score does not read comes back as the mask."""
     slots = start + tile
     s_ok = slots < hi
     t_mask = h_ok[:, None, None] & s_ok[None, :, :]
@@ -350,11 +399,20 @@ def _score_tile_loads(t_rows, tref_rows, valid_row, protect_row, start, tile, of
                        mask=h_ok[:, None] & (start + offs_j * SUBTILE < hi)[None, :], other=0.0)
         t += tref[:, :, None]
     ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0)
+    protected = ok
     if HAS_PROTECT:
         protected = tl.load(protect_row + slots * stride_protect_s, mask=s_ok, other=0)
-    else:
-        protected = ok
-    return t, ok, protected
+    received = ok
+    if ACCUMULATE:
+        received = tl.load(received_row + slots * stride_received_s, mask=s_ok, other=0.0)
+    norms = ok
+    if NORMS_MODE == 1:
+        norms = tl.load(norms_rows + slots * stride_norms_s, mask=s_ok, other=0.0)
+    elif NORMS_MODE == 2:
+        every = tl.load(norms_rows + slots[None, :, :] * stride_norms_s, mask=kv_ok[:, None, None] & s_ok[None, :, :],
+                        other=0.0)  # [KV_HEADS_PAD, SUBTILES, SUBTILE]
+        norms = _sum(every, 0) / KV_HEADS
+    return t, ok, protected, received, norms
 
 
 # ---- host side ---------------------------------------------------------------------------------
@@ -405,9 +463,11 @@ def _l2_bytes(device: torch.device) -> int:
 
 @functools.cache  # called per layer and decode step when not under a CUDA graph
 def default_config(
-    batch: int, kv_heads: int, q_heads: int, slots: int, head_dim: int, sms: int, l2_bytes: int = 50 * 2**20
+    batch: int, kv_heads: int, q_heads: int, slots: int, head_dim: int, sms: int, l2_bytes: int = 50 * 2**20,
+    selections: int = 1,
 ) -> LaunchConfig:
-    """Heuristic launch configuration; constants from H200 sweeps (longflow/kernels/NOTES.md)."""
+    """Heuristic launch configuration; constants from H200 sweeps (longflow/kernels/NOTES.md).
+    `selections`: next slots chosen per row (1 when the KV heads share one, `kv_heads` otherwise)."""
     block_n = 64
     programs = batch * kv_heads
     # Attention pass: split the slots (down to one tile per program) until about 2 programs per
@@ -417,9 +477,10 @@ def default_config(
     split_regime = programs < 2 * sms
     splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(slots, block_n)))
     num_stages = 3 if split_regime else 4
-    # Score pass: 128 (small batches) or 256 slots per program, at most ~4 programs per multiprocessor.
+    # Score pass: 128 (small batches) or 256 slots per program, at most ~4 programs per multiprocessor
+    # (a row's selections each have programs of their own).
     per_part = 128 if split_regime else 256
-    score_splits = max(1, min(triton.cdiv(slots, per_part), triton.cdiv(4 * sms, batch)))
+    score_splits = max(1, min(triton.cdiv(slots, per_part), triton.cdiv(4 * sms, batch * selections)))
     # In the split regime the pass must run at SDPA's speed on its own, and an fp32 scratch that
     # overflows its share of L2 (a quarter) goes to DRAM: half the bytes in fp16 then win
     # (longflow/kernels/NOTES.md). With fewer, larger programs fp32 is as fast or faster.
@@ -496,19 +557,139 @@ def longflow_attention(
         next_slot: `[B]` int64, the lowest free slot, else the valid unprotected slot of lowest score.
     """
     _check_inputs(q, k, v, valid, protect)
-    return _run(q, k, v, valid, scale, protect, config)
+    next_slot = torch.empty(q.shape[0], 1, dtype=torch.long, device=q.device)
+    out = _run(q, k, v, valid, scale, protect, config, epilogue=Epilogue(SCORES["longflow"], False, next_slot))
+    return out, next_slot[:, 0]
 
 
-def _run(q, k, v, valid, scale, protect, config, attention_only=False):
-    """The launches of `longflow_attention` (inputs checked). `attention_only` stops after the
-    attention pass, for the benchmark's accounting (out is then unfinished when split)."""
+@dataclass(frozen=True)
+class Score:
+    """How the score pass turns the step's probabilities p_hj into slot scores (compile-time switches).
+
+    `vnorm`: the scratch holds logit + log2 ||v_j||_1, so p becomes p ||v_j||_1 (LongFlow);
+    `accumulate`: the step's attention is added in place to a per-slot accumulator, which is the score;
+    `norms`: the score is multiplied by a per-slot value norm: 0 none, 1 the selection's own KV head's,
+    2 the mean over the KV heads.
+    """
+
+    vnorm: bool = False
+    accumulate: bool = False
+    norms: int = 0
+
+
+# The score epilogues, by name: slot j's score from this step's probabilities p_hj of the selection's
+# query heads (all Hq of a row, or the G of one KV head) and per-slot state, times `weight`
+# (`scored_attention`) where nothing is accumulated:
+#   longflow:              sum_h p_hj ||v_j||_1 (LongFlow; ||v_j||_1 from the values in the pass)
+#   attention:             sum_h p_hj (TOVA, with weight 1 / Hq: the mean; H2O lf_repo)
+#   accumulated:           received_j += sum_h p_hj, score received_j (H2O paper)
+#   accumulated_vnorm:     received_j += sum_h p_hj, score received_j * norms_j (VATP paper)
+#   attention_vnorm_mean:  sum_h p_hj * the mean over KV heads of norms_j (VATP lf_repo, weight 1 / Hq)
+SCORES = {
+    "longflow": Score(vnorm=True),
+    "attention": Score(),
+    "accumulated": Score(accumulate=True),
+    "accumulated_vnorm": Score(accumulate=True, norms=1),
+    "attention_vnorm_mean": Score(norms=2),
+}
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What one call of `_run` scores and where the result goes (see `scored_attention`)."""
+
+    score: Score
+    per_kv_head: bool
+    next_slot: torch.Tensor  # [B, Hkv] or [B, 1] int64, written in place
+    weight: float = 1.0
+    received: torch.Tensor | None = None
+    norms: torch.Tensor | None = None
+
+
+def scored_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid: torch.Tensor,
+    next_slot: torch.Tensor,
+    scale: float | None = None,
+    *,
+    score: str,
+    per_kv_head: bool = False,
+    protect: torch.Tensor | None = None,
+    received: torch.Tensor | None = None,
+    norms: torch.Tensor | None = None,
+    weight: float = 1.0,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """Decode attention with a step method's score and its next slot, in LongFlow's two launches.
+
+    The attention pass is LongFlow's; the score pass applies the epilogue `score` (a key of `SCORES`)
+    to the step's probabilities and chooses the next slot by the shared rule (`longflow.selection.
+    choose_next`: the lowest free slot, else the valid unprotected slot of lowest score, ties to the
+    lowest index), per row (`per_kv_head` False: the scores summed over all query heads) or per KV
+    head (over its G query heads). No host sync; every output is written in place.
+
+    Args:
+        q: `[B, Hq, D]`; k, v: `[B, Hkv, S, D]` slot caches, any strides.
+        valid: `[B, Hkv, S]` bool, or `[B, S]` when the heads share it; a shared selection reads head 0.
+        next_slot: `[B, Hkv]` int64 (any strides), written in place: each KV head's choice, or the
+            row's for every head.
+        protect: optional bool like `valid`: valid slots never chosen (free ones still are).
+        received: `[B, Hkv, S]` float32, the accumulator of the `accumulated*` scores, updated in place
+            on every slot (free slots receive 0).
+        norms: `[B, Hkv, S]` float32 value norms of the `*vnorm*` scores (besides `longflow`).
+        weight: the factor of a score that is not accumulated.
+        config: tiling override (tests); the heuristic `default_config` when None.
+
+    Returns:
+        out: `[B, Hq, D]` in the dtype of q.
+    """
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {tuple(SCORES)}, got {score!r}")
+    epilogue = SCORES[score]
+    batch, kv_heads, slots = k.shape[:3]
+    shapes = ((batch, slots), (batch, kv_heads, slots))
+    for name, mask in {"valid": valid, "protect": protect}.items():
+        if mask is not None and (mask.dtype != torch.bool or mask.shape not in shapes):
+            raise ValueError(f"{name} must be a [batch, slots] or [batch, kv_heads, slots] = {shapes[1]} bool tensor, "
+                             f"got {mask.dtype} {tuple(mask.shape)}")
+        if per_kv_head and mask is not None and mask.dim() != 3:
+            raise ValueError(f"a selection per KV head needs {name} per KV head, [batch, kv_heads, slots]")
+    _check_inputs(q, k, v, valid if valid.dim() == 2 else valid[:, 0], None)
+    states = {"received": (received, epilogue.accumulate), "norms": (norms, epilogue.norms != 0)}
+    for name, (state, needed) in states.items():
+        if needed != (state is not None):
+            raise ValueError(f"score {score!r} {'needs' if needed else 'takes no'} {name}")
+        if state is not None and (state.dtype != torch.float32 or state.shape != (batch, kv_heads, slots)
+                                  or state.device != q.device):
+            raise ValueError(f"{name} must be a [batch, kv_heads, slots] = {(batch, kv_heads, slots)} float32 tensor "
+                             f"on {q.device}, got {state.dtype} {tuple(state.shape)} on {state.device}")
+    if epilogue.accumulate and not per_kv_head:
+        raise ValueError(f"score {score!r} accumulates per KV head: it needs per_kv_head=True")
+    if next_slot.dtype != torch.long or next_slot.shape != (batch, kv_heads) or next_slot.device != q.device:
+        raise ValueError(f"next_slot must be a [batch, kv_heads] = {(batch, kv_heads)} int64 tensor on {q.device}, "
+                         f"got {next_slot.dtype} {tuple(next_slot.shape)} on {next_slot.device}")
+    return _run(q, k, v, valid, scale, protect, config,
+                epilogue=Epilogue(epilogue, per_kv_head, next_slot, weight, received, norms))
+
+
+def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue: Epilogue | None = None):
+    """The launches of `longflow_attention` and `scored_attention` (inputs checked); returns out.
+    `attention_only` stops after the attention pass, for the benchmark's accounting (out is then
+    unfinished when split). `epilogue` None: LongFlow's score, its next slot discarded (benchmarks)."""
     batch, q_heads, head_dim = q.shape
     _, kv_heads, slots, _ = k.shape
     group = q_heads // kv_heads
     scale = head_dim**-0.5 if scale is None else float(scale)
+    if epilogue is None:
+        epilogue = Epilogue(SCORES["longflow"], False, torch.empty(batch, 1, dtype=torch.long, device=q.device))
+    per_kv_head = epilogue.per_kv_head
+    selections = kv_heads if per_kv_head else 1
     if config is None:
         config = default_config(batch, kv_heads, q_heads, slots, head_dim, _multiprocessors(q.device),
-                                _l2_bytes(q.device))
+                                _l2_bytes(q.device), selections)
+    score = epilogue.score
 
     # Whole tiles per split; the split counts actually launched follow from the rounding.
     chunk, splits = _even_split(slots, config.splits, config.block_n)
@@ -525,15 +706,14 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False):
 
     device, f32 = q.device, torch.float32
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=device)
-    next_slot = torch.empty(batch, dtype=torch.long, device=device)
     scratch = torch.empty(batch, q_heads, slots, dtype=torch.float16 if fp16_scratch else f32, device=device)
     tile_ref = torch.empty(batch, q_heads, n_tiles, dtype=f32, device=device) if fp16_scratch else scratch
     m_part = torch.empty(batch, q_heads, splits, dtype=f32, device=device)
     l_part = torch.empty_like(m_part)
     acc = torch.empty(batch, q_heads, splits, head_dim, dtype=f32, device=device) if splits > 1 else m_part
     # Written by the attention pass before the score kernel reads them: no memset launch.
-    best = torch.empty(batch, dtype=torch.int64, device=device)
-    arrived = torch.empty(batch, dtype=torch.int32, device=device)
+    best = torch.empty(batch * selections, dtype=torch.int64, device=device)
+    arrived = torch.empty(batch * selections, dtype=torch.int32, device=device)
     # Bool tensors go in as bytes; a same-size dtype view keeps any strides.
     valid_u8 = valid.view(torch.uint8)
     protect_u8 = protect.view(torch.uint8) if protect is not None else valid_u8
@@ -547,25 +727,36 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False):
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         ONE_SPLIT=splits == 1, SCRATCH_FP16=fp16_scratch, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
         VNORM_MMA=config.vnorm == "mma", KV_EVICT="evict_first" if config.l2_hints else "",
-        T_EVICT="evict_last" if config.l2_hints else "", SCORE=True, BOUNDED=False,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        T_EVICT="evict_last" if config.l2_hints else "", SCORE=True, BOUNDED=False, VNORM=score.vnorm,
+        SELECTIONS=selections, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if attention_only:
-        return out, None
-    heads_per_part = triton.cdiv(q_heads, score_splits)
+        return out
+    sel_heads = q_heads // selections
+    heads_per_part = triton.cdiv(q_heads, selections * score_splits)
     splits_pad = triton.next_power_of_2(splits)
     head_tile = _head_tile(heads_per_part, splits_pad, head_dim_pad)
-    _score_kernel[(batch, score_splits)](
-        scratch, tile_ref, m_part, l_part, acc, out, valid_u8, protect_u8, best, arrived, next_slot,
-        *valid_u8.stride(), *protect_u8.stride(),
-        slots, n_tiles, score_chunk, splits, score_splits, heads_per_part, 1.0 / (q_heads * head_dim),
-        Q_HEADS=q_heads, Q_HEADS_PAD=triton.next_power_of_2(q_heads), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad,
+    next_slot = epilogue.next_slot
+    # A shared selection writes its slot to every column of next_slot; one per KV head, to its own.
+    write_heads = 1 if per_kv_head else next_slot.shape[1]
+    received = epilogue.received if epilogue.received is not None else scratch
+    norms = epilogue.norms if epilogue.norms is not None else scratch
+    state_strides = [*(received.stride() if epilogue.received is not None else (0, 0, 0)),
+                     *(norms.stride() if epilogue.norms is not None else (0, 0, 0))]
+    _score_kernel[(batch * selections, score_splits)](
+        scratch, tile_ref, m_part, l_part, acc, out, valid_u8, protect_u8, received, norms, best, arrived,
+        next_slot, *_mask_strides(valid_u8), *_mask_strides(protect_u8), *state_strides, *next_slot.stride(),
+        slots, n_tiles, score_chunk, splits, score_splits, heads_per_part, epilogue.weight,
+        Q_HEADS=q_heads, SEL_HEADS=sel_heads, SEL_HEADS_PAD=triton.next_power_of_2(sel_heads),
+        SELECTIONS=selections, KV_HEADS=kv_heads, KV_HEADS_PAD=triton.next_power_of_2(kv_heads),
+        WRITE_HEADS=write_heads, WRITE_HEADS_PAD=max(2, triton.next_power_of_2(write_heads)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad,
         HEAD_TILE=head_tile, BLOCK_S=block_s, SUBTILE=subtile, SUBTILES=block_s // subtile,
         ONE_SPLIT=splits == 1, ONE_PART=score_splits == 1, SCRATCH_FP16=fp16_scratch,
-        HAS_PROTECT=protect is not None, num_warps=config.score_warps,
+        HAS_PROTECT=protect is not None, ACCUMULATE=score.accumulate, NORMS_MODE=score.norms,
+        num_warps=config.score_warps,
     )
-    return out, next_slot
+    return out
 
 
 def _head_tile(heads_per_part: int, splits_pad: int, head_dim_pad: int) -> int:
@@ -646,7 +837,7 @@ def flash_decode(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         ONE_SPLIT=splits == 1, SCRATCH_FP16=False, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
         VNORM_MMA=False, KV_EVICT="evict_first" if config.l2_hints else "", T_EVICT="",
-        SCORE=False, BOUNDED=lengths is not None,
+        SCORE=False, BOUNDED=lengths is not None, VNORM=False, SELECTIONS=1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits == 1:
@@ -663,4 +854,4 @@ def flash_decode(
     return out
 
 
-__all__ = ["LaunchConfig", "default_config", "flash_decode", "longflow_attention"]
+__all__ = ["SCORES", "LaunchConfig", "default_config", "flash_decode", "longflow_attention", "scored_attention"]
