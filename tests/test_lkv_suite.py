@@ -140,5 +140,5 @@ def test_the_suite_calibration_file_fits_the_suite_model(suite_model):
     assert tensors["layer_scores"].shape == (config.num_hidden_layers,)
     assert torch.isclose(tensors["layer_scores"].sum(), torch.tensor(1.0))
     made_by = torch.load(path, weights_only=True)
-    assert made_by["model"] == "canary_suite" and made_by["items_correct"] > 0
+    assert made_by["model"] == "canary_suite" and made_by["items_correct"] == made_by["items"] > 0
     assert made_by["datasets"] == [f"canary_{family}" for family in FAMILIES]
