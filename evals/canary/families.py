@@ -34,8 +34,9 @@ rendered prompt and the output.
 
 Held-out splits: 200 items per family, item i from its own seed string (the state family's are the
 canary's held-out items); training draws from another generator and leaves these out
-(`evals.canary.suite_batches`). Output lengths: 10 to 84 steps, log-uniform as the canary's: 199 to
-1605 tokens (every family's line is 19 tokens).
+(`evals.canary.suite_batches`); `training_rows` gives dataset rows of items outside them. Output
+lengths: 10 to 84 steps, log-uniform as the canary's: 199 to 1605 tokens (every family's line is 19
+tokens).
 """
 
 from __future__ import annotations
@@ -326,6 +327,32 @@ def heldout_rows(family: str, size: int = HELDOUT_SIZE) -> list[dict[str, str]]:
         raise UserError(f"canary family must be one of {list(FAMILIES)}, got {family!r}")
     return [{"index": f"{family}-{index}", "question": item.question(), "true_answer": str(item.answer)}
             for index, item in enumerate(heldout(family, size))]
+
+
+def training_rows(family: str, size: int = HELDOUT_SIZE, seed: int = 0) -> list[dict[str, str]]:
+    """`size` items of a family outside its held-out split, as dataset rows (`index`, `question`,
+    `true_answer`): for what must not see the held-out items, such as a method's calibration
+    (`dataset.overrides.canary_<family>.generator=evals.canary.families:training_rows`).
+
+    Item i comes from its own seed string (another than the held-out split's), by the task's law
+    (`draw`; the state family's by `CanaryTask.program`); a draw equal to a held-out item is skipped.
+    """
+    if family not in FAMILIES:
+        raise UserError(f"canary family must be one of {list(FAMILIES)}, got {family!r}")
+    excluded = {item.params for item in heldout(family)}
+    items, index = [], 0
+    while len(items) < size:
+        rng = random.Random(f"canary-suite-training:{seed}:{family}:{index}")
+        if family == "state":
+            program = CanaryTask().program(rng)
+            item = SuiteItem("state", (*program.initial, program.start, program.steps))
+        else:
+            item = draw(family, rng)
+        if item.params not in excluded:
+            items.append((index, item))
+        index += 1
+    return [{"index": f"{family}-training-{index}", "question": item.question(), "true_answer": str(item.answer)}
+            for index, item in items]
 
 
 def token_reads(item: SuiteItem, prompt_text: str, tokenizer) -> list[tuple[int, tuple[int, ...]]]:

@@ -1,9 +1,13 @@
-"""Trains LKV's parameters (`baselines.lkv`) on the canary by self-distillation from the full cache.
+"""Trains LKV's parameters (`baselines.lkv`) on a canary model by self-distillation from the full cache.
 
-    python -m evals.canary.train_lkv --out evals/canary/lkv          # the committed artifact (CPU, one thread)
+    python -m evals.canary.train_lkv --out evals/canary/lkv          # the canary's artifact (CPU, one thread)
+    python -m evals.canary.train_lkv --out evals/canary/lkv_suite --model canary_suite \
+        --families state,lookup,plan,redundant,chain --steps 200 --eval-items 8   # the suite model's
     python -m evals.canary.train_lkv --out /tmp/lkv --steps 5 --eval-items 8   # a smoke run
 
-Teacher: the frozen canary model with the full cache. Student: the same frozen model whose attention
+`--model` names a config of conf/model (its checkpoint folder and tokenizer); `--families` the
+families of `evals.canary.families` whose training items it sees (the canary's task is the state
+family). Teacher: the frozen model with the full cache. Student: the same frozen model whose attention
 in every layer and KV head sees a soft keep-mask over the keys: row i of an output token keeps key i
 and a Soft-TopK of capacity - 1 among the keys before it, ranked by LKV-T's score, with the
 capacities of LKV-H (`head_budgets` without the floors, so that they are differentiable); prompt
@@ -19,12 +23,15 @@ and k+1-th scores, refined by Newton steps of at most 4 t), differentiated impli
 geometrically from `temperature_start` to `temperature_end`.
 
 Loss: KL(teacher || student) of the next-token distributions, mean over output tokens. Each step
-draws programs from a seeded generator (the task's step-count law, one count per batch) and one of
-`budgets`; rows equal to a held-out program are left out of the loss and counted (the canary
-trainer's helpers). At the end the held-out split is scored teacher-forced with the hard mask at each
-budget of `eval_budgets` (an item is solved when every output token is the argmax: exactly when
-greedy decoding under LKV writes the reference). `<out>/lkv.safetensors` holds the parameters,
-`<out>/train_log.json` the config, environment, curve, budgets and held-out accuracy.
+draws one family (uniformly, from its own generator: one family draws nothing), items of it from a
+seeded generator (the task's step-count law, one count per batch) and one of `budgets`; rows equal
+to an item of the family's held-out split are left out of the loss and counted, per family (the
+suite trainer's helpers). At the end the first `eval_items` of each family's held-out split are
+scored teacher-forced with the hard mask at each budget of `eval_budgets` (an item is solved when
+every output token is the argmax: exactly when greedy decoding under LKV writes the reference).
+`<out>/lkv.safetensors` holds the parameters, `<out>/train_log.json` the config, model, environment,
+curve, budgets and held-out accuracy; both are rewritten every `checkpoint_every` steps and after
+each family's scores, so a run cut short leaves its last state.
 """
 
 from __future__ import annotations
@@ -41,13 +48,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import AttentionInterface, Qwen3ForCausalLM
+from safetensors.torch import save_file
+from transformers import AttentionInterface, AutoTokenizer, Qwen3ForCausalLM
 
 from baselines.lkv import PARAMETERS, head_budgets, prior_parameters, slot_features, token_scores
-from evals.canary import vocabulary
-from evals.canary.batches import LINE_TOKENS, Batches, heldout_mask, heldout_programs
-from evals.canary.task import HELDOUT_SIZE, CanaryTask
-from evals.canary.train import teacher_forced
+from evals.canary.batches import LINE_TOKENS
+from evals.canary.families import FAMILIES, MAX_STEPS, MIN_STEPS
+from evals.canary.suite_batches import FamilyBatches, heldout_mask, suite_batches
+from evals.canary.train_suite import prompt_length, teacher_forced
+from evals.configs import model_spec
+from evals.pipeline import checkpoint_fingerprint
+from longflow.errors import UserError, report
+from longflow.models import checkpoint_location
 
 ATTENTION = "lkv_soft_eviction"
 
@@ -64,11 +76,20 @@ class LKVTrainConfig:
     newton: int = 3  # Newton steps refining the Soft-TopK threshold
     hidden: int = 16  # LKV-T's MLP width
     init_scale: float = 0.01  # std of the MLP's first layer at the start (its output layer starts at zero)
-    eval_items: int = 32  # the first items of the held-out split (the harness run's limit=32)
+    eval_items: int = 32  # the first items of each family's held-out split (the harness run's limit=32)
     eval_budgets: list[int] = field(default_factory=lambda: [96, 192, 384])
     eval_rows: int = 4  # held-out programs per forward (the masked attention holds rows x T x T per head)
-    model: str = "evals/canary/model"
+    model: str = "canary"  # a config of conf/model: the frozen teacher and student, and its tokenizer
+    # Families of evals.canary.families drawn for training and scored; the canary's task is "state".
+    families: list[str] = field(default_factory=lambda: ["state"])
+    checkpoint_every: int = 25  # steps between rewrites of the parameters and the log
     threads: int = 1
+
+    def __post_init__(self):
+        if not self.families or len(set(self.families)) != len(self.families) or set(self.families) - set(FAMILIES):
+            raise UserError(f"families must be distinct names of {list(FAMILIES)}, got {self.families}")
+        if self.checkpoint_every < 1:
+            raise UserError(f"checkpoint_every must be a positive number of steps, got {self.checkpoint_every}")
 
 
 def soft_topk(scores: torch.Tensor, candidates: torch.Tensor, count: torch.Tensor, temperature: float,
@@ -188,81 +209,102 @@ def initial_parameters(config: LKVTrainConfig, model, generator: torch.Generator
     return {name: tensor.requires_grad_() for name, tensor in params.items()}
 
 
-def fit(config: LKVTrainConfig, model, student: SoftEviction, batches: Batches, heldout: torch.Tensor) -> dict:
+def fit(config: LKVTrainConfig, model, student: SoftEviction, families: dict[str, FamilyBatches],
+        checkpoint) -> dict:
+    """The training loop; returns what the log keeps of it. `checkpoint(run)` every `checkpoint_every` steps."""
     optimizer = torch.optim.Adam(list(student.params.values()), lr=config.lr)
     generator = torch.Generator().manual_seed(config.seed)
     draws = torch.Generator().manual_seed(config.seed + 1)
-    task, curve, excluded, start = batches.task, [], 0, time.perf_counter()
+    choices = torch.Generator().manual_seed(config.seed + 3)
+    excluded = dict.fromkeys(config.families, 0)
+    run, start = {"curve": [], "steps": 0, "heldout_rows_excluded": excluded}, time.perf_counter()
     for step in range(config.steps):
+        name = config.families[int(torch.randint(len(config.families), (1,), generator=choices))]
+        family = families[name]
         # The task's law of step counts (log-uniform, `CanaryTask.program`), one count per batch.
-        low, high = math.log(task.min_steps), math.log(task.max_steps + 1)
-        steps = min(task.max_steps, int(math.exp(low + (high - low) * torch.rand(1, generator=draws).item())))
+        low, high = math.log(MIN_STEPS), math.log(MAX_STEPS + 1)
+        steps = min(MAX_STEPS, int(math.exp(low + (high - low) * torch.rand(1, generator=draws).item())))
         budget = config.budgets[int(torch.randint(len(config.budgets), (1,), generator=draws))]
-        length = batches.prompt_len + LINE_TOKENS * steps + 9
-        programs = batches.programs(generator, max(1, config.tokens_per_step // length), steps)
-        keep = ~heldout_mask(programs, heldout)
-        excluded += int((~keep).sum())
-        tokens = batches.tokens(programs)
+        prompt_len = prompt_length(family)
+        length = prompt_len + LINE_TOKENS * steps + 9
+        params = family.draw(generator, max(1, config.tokens_per_step // length), steps)
+        keep = ~heldout_mask(params, family.heldout)
+        excluded[name] += int((~keep).sum())
+        tokens = family.tokens(params)
         model.set_attn_implementation("sdpa")
         with torch.no_grad():
-            teacher = output_log_probs(model, tokens, batches.prompt_len)
+            teacher = output_log_probs(model, tokens, prompt_len)
         model.set_attn_implementation(ATTENTION)
-        student.prompt_len, student.budget = batches.prompt_len, budget
+        student.prompt_len, student.budget = prompt_len, budget
         student.temperature = temperature_at(config, step)
-        log_probs = output_log_probs(model, tokens, batches.prompt_len)
+        log_probs = output_log_probs(model, tokens, prompt_len)
         kl = (teacher.exp() * (teacher - log_probs)).sum(dim=-1).mean(dim=-1)  # [B]
         loss = (kl * keep).sum() / keep.sum().clamp(min=1)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        point = {"step": step + 1, "seconds": round(time.perf_counter() - start, 1), "program_steps": steps,
-                 "rows": len(programs), "budget": budget, "temperature": round(student.temperature, 4),
+        point = {"step": step + 1, "seconds": round(time.perf_counter() - start, 1),
+                 **({"family": name} if len(config.families) > 1 else {}), "program_steps": steps,
+                 "rows": len(params), "budget": budget, "temperature": round(student.temperature, 4),
                  "kl": round(loss.item(), 5)}
-        curve.append(point)
+        run["curve"].append(point)
+        run.update(steps=step + 1, train_seconds=point["seconds"])
         print(json.dumps(point), flush=True)
-    return {"train_seconds": round(time.perf_counter() - start, 1), "heldout_rows_excluded": excluded,
-            "curve": curve}
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            checkpoint(run)
+    return run
 
 
 def train(config: LKVTrainConfig, out: Path) -> dict:
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
-    task, tokenizer = CanaryTask(), vocabulary.build()
-    batches = Batches(task, tokenizer, torch.device("cpu"))
+    spec = model_spec(config.model)
+    folder = checkpoint_location(spec.hub_id)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    families = {name: family for name, family in suite_batches(tokenizer, torch.device("cpu")).items()
+                if name in config.families}
     # bf16-stored weights in float32 arithmetic: the harness on a CPU.
-    model = Qwen3ForCausalLM.from_pretrained(config.model, dtype=torch.float32).eval()
+    model = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     model.requires_grad_(False)
     student = SoftEviction(initial_parameters(config, model, torch.Generator().manual_seed(config.seed + 2)))
     student.newton = config.newton
     AttentionInterface.register(ATTENTION, student.attention)
-    heldout = heldout_programs(task, HELDOUT_SIZE, torch.device("cpu"))  # never drawn, all of it
-    run = fit(config, model, student, batches, heldout)
-    params = {name: tensor.detach().contiguous() for name, tensor in student.params.items()}
     out.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
+    log = {"config": asdict(config),
+           "model": {"name": spec.name, "hub_id": spec.hub_id, "checkpoint": checkpoint_fingerprint(spec.hub_id)},
+           "environment": {"device": "cpu", "threads": config.threads, "torch": torch.__version__,
+                           "transformers": transformers.__version__, "python": platform.python_version()}}
 
-    save_file(params, str(out / "lkv.safetensors"))
+    def checkpoint(run: dict) -> None:
+        params = {name: tensor.detach().contiguous() for name, tensor in student.params.items()}
+        save_file(params, str(out / "lkv.safetensors"))
+        shares = torch.softmax(params["budget_logits"].flatten(), dim=0).view_as(params["budget_logits"])
+        log.update({"parameters": sum(tensor.numel() for tensor in params.values()),
+                    **{key: value for key, value in run.items() if key != "curve"},
+                    "head_shares": [[round(float(p), 4) for p in row] for row in shares]})
+        log["curve"] = run["curve"]  # last: the long part of the file
+        (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+
+    run = fit(config, model, student, families, checkpoint)
     model.set_attn_implementation(ATTENTION)
-    student.hard, accuracy = True, {}
+    student.hard = True
+    logits = student.params["budget_logits"].detach()
+    run["budgets"] = {}
     for budget in config.eval_budgets:
-        student.budget, began = budget, time.perf_counter()
-        scored = teacher_forced(model, batches, heldout[:config.eval_items], rows=config.eval_rows)
-        scored["seconds"] = round(time.perf_counter() - began, 1)
-        slots, heads = head_budgets(params["budget_logits"], budget)
-        accuracy[str(budget)] = {**scored, "layer_slots": slots, "head_capacities": heads}
-        print(f"held-out, teacher-forced, hard mask, budget {budget}: {json.dumps(accuracy[str(budget)])}",
-              flush=True)
-    shares = torch.softmax(params["budget_logits"].flatten(), dim=0).view_as(params["budget_logits"])
-    log = {
-        "config": asdict(config), "task": asdict(task),
-        "parameters": sum(tensor.numel() for tensor in params.values()),
-        **{key: value for key, value in run.items() if key != "curve"},
-        "environment": {"device": "cpu", "threads": config.threads, "torch": torch.__version__,
-                        "transformers": transformers.__version__, "python": platform.python_version()},
-        "head_shares": [[round(float(p), 4) for p in row] for row in shares],
-        "heldout_teacher_forced": accuracy, "curve": run["curve"],
-    }
-    (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
+        slots, heads = head_budgets(logits, budget)
+        run["budgets"][str(budget)] = {"layer_slots": slots, "head_capacities": heads}
+    run["heldout_teacher_forced"] = {}
+    for name, family in families.items():
+        student.prompt_len, scores = prompt_length(family), {}
+        for budget in config.eval_budgets:
+            student.budget, began = budget, time.perf_counter()
+            scores[str(budget)] = {**teacher_forced(model, family, family.heldout[:config.eval_items],
+                                                    rows=config.eval_rows),
+                                   "seconds": round(time.perf_counter() - began, 1)}
+            print(f"{name} held-out, teacher-forced, hard mask, budget {budget}: {json.dumps(scores[str(budget)])}",
+                  flush=True)
+        run["heldout_teacher_forced"][name] = scores
+        checkpoint(run)
     return log
 
 
@@ -270,13 +312,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evals.canary.train_lkv", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for lkv.safetensors and train_log.json")
     for name, value in asdict(LKVTrainConfig()).items():
-        kind = json.loads if isinstance(value, list) else type(value)
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value,
-                            help="a JSON list" if isinstance(value, list) else None)
+        if name == "families":
+            kind, description = (lambda text: text.split(",")), "comma-separated"
+        else:
+            kind, description = (json.loads, "a JSON list") if isinstance(value, list) else (type(value), None)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=value, help=description)
     args = vars(parser.parse_args(argv))
     out = args.pop("out")
-    log = train(LKVTrainConfig(**args), out)
-    heldout = {budget: entry["accuracy"] for budget, entry in log["heldout_teacher_forced"].items()}
+    try:
+        log = train(LKVTrainConfig(**args), out)
+    except UserError as error:
+        return report(error)
+    heldout = {name: {budget: entry["accuracy"] for budget, entry in scores.items()}
+               for name, scores in log["heldout_teacher_forced"].items()}
     print(json.dumps({"train_seconds": log["train_seconds"], "head_shares": log["head_shares"], "heldout": heldout}))
     return 0
 
