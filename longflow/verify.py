@@ -203,7 +203,7 @@ class RowState:
         for key, value in items:
             if isinstance(value, torch.Tensor):
                 ident = (value.data_ptr(), tuple(value.shape))
-                if value.dim() and value.shape[0] == self.batch and ident not in storages:
+                if value.dim() and value.shape[0] == self.batch and ident not in storages and not expanded(value):
                     storages.add(ident)
                     self.tensors.append((node, key))
             elif isinstance(value, list) and len(value) == self.batch and value and all(
@@ -240,6 +240,11 @@ class RowState:
                 target[row] = source[row]
             if not to_saved:
                 setattr(owner, key, target)
+
+
+def expanded(tensor: torch.Tensor) -> bool:
+    """Whether several elements share memory (an `expand`ed view): a view of state held elsewhere."""
+    return any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape, strict=True))
 
 
 # ---- the rounds ------------------------------------------------------------------------------------
