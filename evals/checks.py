@@ -69,7 +69,7 @@ def check_fields(cfg: dict[str, Any]) -> None:
     generation = {key: value for key, value in cfg["generation"].items() if key not in GENERATION_LABELS}
     generation = from_mapping(GenerationConfig, generation, "generation")
     from_mapping(EngineConfig, cfg["engine"], "engine")
-    from_mapping(VerifyConfig, cfg["verify"], "verify").check_generation(generation)
+    from_mapping(VerifyConfig, cfg.get("verify", {}), "verify").check_generation(generation)
 
 
 def config_groups() -> list[str]:
