@@ -101,7 +101,7 @@ def summarize(identity: dict[str, Any], generations: list[dict], batches: list[d
         device=batches[-1]["device"] if batches else None,
     )
     if identity.get("verify"):
-        metrics["verify"] = identity["verify"]["name"]
+        metrics["verify"], metrics["verify_horizon"] = identity["verify"]["name"], identity["verify"]["horizon"]
         metrics.update(summarize_verify(generations))
     if fidelity:
         metrics["fidelity"] = summarize_fidelity(fidelity)

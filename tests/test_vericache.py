@@ -279,3 +279,33 @@ def test_on_cuda_verification_gives_the_full_caches_tokens():
         result = engine_of(model, tokenizer, lambda m=method: policy_of(m, 96), verified()).generate(
             prompts, generation, [0, 0])
         assert result.tokens == full.tokens and result.cuda_graph
+
+
+def test_runs_store_acceptance_and_the_reports_show_it(tmp_path):
+    """`python -m evals.run ... verify=vericache` end to end (continuous batching, the default), the
+    vanilla run's text, then `--metric accepted_per_round` in the table and the acceptance figure."""
+    from evals.pipeline import evaluate
+    from evals.report.figures import plot_acceptance
+    from evals.report.runs import collect
+    from evals.report.table import build_table
+
+    base = ["model=canary", "dataset=canary", "limit=2", "device=cpu", "generation.max_new_tokens=40",
+            f"results_dir={tmp_path}"]
+    full = evaluate(compose_config([*base, "method=vanilla"]))[0]
+    outputs = {}
+    for method, budget in (("h2o", 32), ("h2o", 96), ("streaming", 32)):
+        metrics = evaluate(compose_config([*base, f"method={method}", f"budget={budget}", "verify=vericache",
+                                              "verify.horizon=8"]))[0]
+        assert metrics["verify"] == "vericache" and metrics["verify_horizon"] == 8
+        assert metrics["verify_rounds"] == sum(metrics["accepted_histogram"]) > 0
+        assert 0 < metrics["compressed_only_share"] < 1 and 0 <= metrics["accepted_per_round"] <= 8
+        outputs[method, budget] = (tmp_path / metrics["run_id"] / "generations.jsonl").read_text()
+    reference = (tmp_path / full["run_id"] / "generations.jsonl").read_text()
+    texts = [sorted((r["id"], r["output"]) for r in map(__import__("json").loads, lines.splitlines()))
+             for lines in (reference, *outputs.values())]
+    assert all(text == texts[0] for text in texts)
+    runs = collect(tmp_path)
+    table = build_table(runs, "accepted_per_round")
+    assert {"H2O + VeriCache", "StreamingLLM + VeriCache"} <= set(table.values.index.get_level_values("Method"))
+    path = plot_acceptance(runs, tmp_path / "figures")
+    assert path.read_bytes().startswith(b"\x89PNG")
