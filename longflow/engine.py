@@ -296,7 +296,8 @@ class Engine:
         """The rounds of a batch whose caches are prefilled."""
         self.verify.check_generation(generation)
         return Verifier(self.model, cache, full, state, self.verify.horizon, self.forward,
-                        lambda step, policies: Stepper(step, policies, self.device, self.config.cuda_graph),
+                        lambda step, policies, graph: Stepper(step, policies, self.device,
+                                                              self.config.cuda_graph and graph),
                         None if generation.ignore_eos else self.eos_ids)
 
     # ---- continuous batching -----------------------------------------------------------------

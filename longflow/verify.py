@@ -228,9 +228,12 @@ class RowState:
     def _copy_rows(self, rows: list[int], to_saved: bool) -> None:
         if not rows:
             return
+        indices: dict[torch.device, torch.Tensor] = {}
         for (owner, key), saved in zip(self.tensors, self.saved_tensors, strict=True):
             live = self._get(owner, key)
-            index = torch.tensor(rows, dtype=torch.long, device=live.device)
+            if live.device not in indices:
+                indices[live.device] = torch.tensor(rows, dtype=torch.long, device=live.device)
+            index = indices[live.device]
             source, target = (live, saved) if to_saved else (saved, live)
             target.index_copy_(0, index, source.index_select(0, index))
         for i, (owner, key) in enumerate(self.lists):
@@ -267,7 +270,8 @@ class Verifier:
     full cache `full` (`PolicyCache`s), and the engine's `DecodeState` `state`.
 
     `forward(cache, input_ids, positions) -> logits`: the engine's forward of the compressed step;
-    `make_stepper(run_step, policies)`: the engine's `Stepper` (hooks, CUDA graphs); `emit_eos`:
+    `make_stepper(run_step, policies, cuda_graph)`: the engine's `Stepper` (hooks, CUDA graphs; the
+    verify forward of a full cache in host memory copies and syncs per layer, so it runs eagerly); `eos_ids`:
     `[n]` EOS ids (None: EOS ignored). Per-row statistics, on the device: `rounds` `[B]`, the rounds
     a row was running in; `accepted` `[B, h + 1]`, how many rounds accepted a drafts; `drafted`
     `[B]`, the committed tokens that came from accepted drafts (read only the compressed cache).
@@ -292,8 +296,8 @@ class Verifier:
         self.accepted = torch.zeros(batch, width, dtype=torch.long, device=device)
         self.drafted = torch.zeros(batch, dtype=torch.long, device=device)
         self.seconds = RoundSeconds([], [], [])
-        self.step = make_stepper(self.compressed_step, (cache.policy,))
-        self.check = make_stepper(self.verify_forward, ())
+        self.step = make_stepper(self.compressed_step, (cache.policy,), True)
+        self.check = make_stepper(self.verify_forward, (), not full.policy.host)
 
     def compressed_step(self) -> None:
         """One ordinary decode step over the compressed cache: input `input` at the state's positions.
