@@ -140,8 +140,11 @@ def test_a_full_cache_in_host_memory_gives_the_same_tokens():
     assert result.round_seconds.transfer > 0
 
 
-@pytest.mark.parametrize("method,budget,fields", [("h2o", 8, {}), ("keydiff", 12, {"compress_every": 4}),
-                                                   ("rkv", 12, {"compress_every": 4}), ("tova", 8, {})])
+@pytest.mark.parametrize("method,budget,fields", [
+    ("h2o", 8, {}), ("keydiff", 12, {"compress_every": 4}), ("rkv", 12, {"compress_every": 4}), ("tova", 8, {}),
+    ("longflow", 8, {}), ("random_attention", 16, {"compress_every": 4}),
+    ("beaconkv", 24, {"keep_last": 4, "n_recent": 4, "n_beacons": 4, "buffer_size": 8, "keep_prompt": False}),
+])
 def test_after_its_rounds_the_compressed_cache_is_the_methods_own(method, budget, fields):
     """The compressed cache after some rounds equals that of the method decoding the committed tokens
     itself, one ordinary step each (rollback and replay lose nothing, per-slot and host state included)."""
@@ -251,6 +254,12 @@ def identity_of(*overrides: str) -> dict:
     setup = Setup.from_config(compose_config(["method=h2o", "budget=96", *overrides]))
     job = Job(name="canary", kind="math", items=[], size=200, fingerprint="f")
     return setup.identity(job, types.SimpleNamespace(chat_template="t"))
+
+
+def test_the_run_fingerprint_covers_the_verifier():
+    from evals.fingerprint import code_record
+
+    assert "longflow/verify.py" in code_record(policy_of("h2o", 96))["files"]
 
 
 def test_the_identity_changes_only_when_verifying():
