@@ -141,18 +141,20 @@ class FullCache(KVPolicy):
 
 
 def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                    positions: torch.Tensor, query_positions: torch.Tensor, scale: float) -> torch.Tensor:
+                    positions: torch.Tensor, query_positions: torch.Tensor, scale: float,
+                    fused: bool | None = None) -> torch.Tensor:
     """Attention of a block of queries over position-ordered slots, causal by position.
 
     q: `[B, Hq, Lq, D]`; keys, values: `[B, Hkv, S, D]`; valid, positions: `[B, S]` (every head
     equal); query_positions: `[B, Lq]`. Query j sees the valid slots whose position is at most its
-    own. Returns `[B, Lq, Hq, D]`. On the CPU, the two matmuls of `longflow.attention.decode_attention`
-    (the full cache's decode attention there, so that the numerics match it); on CUDA, SDPA with the mask.
+    own. Returns `[B, Lq, Hq, D]`. `fused` (default: on CUDA) SDPA with the mask; otherwise the two
+    matmuls of `longflow.attention.decode_attention`, the full cache's decode attention on the CPU, so
+    that the numerics match it there.
     """
     batch, q_heads, length, head_dim = q.shape
     kv_heads = keys.shape[1]
     seen = valid[:, None, :] & (positions[:, None, :] <= query_positions[:, :, None])  # [B, Lq, S]
-    if q.is_cuda:
+    if q.is_cuda if fused is None else fused:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen[:, None], scale=scale, enable_gqa=True)
         return out.transpose(1, 2)
     group = q_heads // kv_heads

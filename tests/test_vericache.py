@@ -199,15 +199,17 @@ def test_row_state_restores_chosen_rows_only():
     assert any(owner is cache.policy.layers[0] and key == "keys" for owner, key in rows.tensors)
 
 
-def test_block_attention_is_causal_by_position():
-    """Against one query at a time over the slots up to its position (float64 truth)."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_block_attention_is_causal_by_position(fused):
+    """Against one query at a time over the slots up to its position (float64 truth); both paths
+    (`fused`: SDPA with the mask, the CUDA one)."""
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 10, 8), torch.randn(2, 2, 10, 8)
     positions = torch.arange(10).expand(2, 10).clone()
     valid = torch.ones(2, 10, dtype=torch.bool)
     valid[1, :2] = False
     query_positions = torch.tensor([[5, 6, 7], [7, 8, 9]])
-    out = block_attention(q, k, v, valid, positions, query_positions, 0.3)  # [B, Lq, Hq, D]
+    out = block_attention(q, k, v, valid, positions, query_positions, 0.3, fused)  # [B, Lq, Hq, D]
     for b in range(2):
         for j in range(3):
             seen = valid[b] & (positions[b] <= query_positions[b, j])
