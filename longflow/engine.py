@@ -267,7 +267,7 @@ class Engine:
             verifier = self.verifier(cache, full, state, generation)
             step_seconds = []
             while not bool(state.finished.all()):
-                step_seconds.append(verifier.run_round(generation))
+                step_seconds.append(verifier.run_round())
             used_graph = verifier.step.graph is not None
 
         tokens, reasons = self.outputs(state, generation)
@@ -356,7 +356,7 @@ class Engine:
             if verifier is None:
                 step_seconds = stepper.run(self.config.check_every)
             else:  # rounds of h + 1 tokens at most, about `check_every` tokens between looks
-                step_seconds = [verifier.run_round(generation)
+                step_seconds = [verifier.run_round()
                                 for _ in range(max(1, self.config.check_every // (self.verify.horizon + 1)))]
             finished = state.finished.tolist()
             done = [row for row in range(rows) if holder[row] is not None and finished[row]]

@@ -53,7 +53,6 @@ class FullCache(KVPolicy):
 
     name = "full_cache"
     uses_budget = False
-    step_probs = False
 
     def __post_init__(self):
         self.budget = None
@@ -77,6 +76,7 @@ class FullCache(KVPolicy):
         self.device = device
         self.block_positions = torch.zeros(spec.batch, self.horizon + 1, dtype=torch.long, device=device)
         self.transfer_seconds = 0.0
+        self.staging: list[torch.Tensor] | None = None  # `host`: the device copy of the layer being verified
         if self.host and device.type == "cuda":
             for slots in self.layers:
                 slots.keys, slots.values = slots.keys.pin_memory(), slots.values.pin_memory()
@@ -112,7 +112,7 @@ class FullCache(KVPolicy):
         if not self.host:
             return slots.keys, slots.values, slots.valid, slots.positions
         start = time.perf_counter()
-        if not hasattr(self, "staging") or self.staging[0].shape != slots.keys.shape:
+        if self.staging is None or self.staging[0].shape != slots.keys.shape:
             self.staging = [torch.empty_like(tensor, device=self.device)
                             for tensor in (slots.keys, slots.values, slots.valid, slots.positions)]
         for target, source in zip(self.staging, (slots.keys, slots.values, slots.valid, slots.positions),
@@ -320,7 +320,7 @@ class Verifier:
                             kv_cache=self.full, use_cache=True, logits_to_keep=0)
         self.verdict.copy_(output.logits.float().argmax(dim=-1))
 
-    def run_round(self, generation) -> float:
+    def run_round(self) -> float:
         """One round for every row; returns its seconds (syncs the host once, for the replay plan)."""
         state, horizon = self.state, self.horizon
         synchronize(state.token.device)
@@ -337,7 +337,7 @@ class Verifier:
 
         match = (self.drafts[:, 1:] == self.verdict[:, :horizon]).long().cumprod(dim=-1)
         accepted = match.sum(dim=-1)  # [B], a
-        committed = self.commit(accepted, running, generation)
+        committed = self.commit(accepted, running)
         going = running & ~state.finished
         self.full.policy.commit(torch.where(going, accepted + 1, 0))
         self.rounds += running
@@ -363,7 +363,7 @@ class Verifier:
         synchronize(state.token.device)
         return time.perf_counter() - begin
 
-    def commit(self, accepted: torch.Tensor, running: torch.Tensor, generation) -> torch.Tensor:
+    def commit(self, accepted: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
         """Each running row's next tokens v_1..v_{a+1} into the output, up to its first EOS and its
         limit; updates step, token and finished as `Engine.emit` does. Returns the counts `[B]`."""
         state, verdict = self.state, self.verdict

@@ -159,7 +159,7 @@ def test_after_its_rounds_the_compressed_cache_is_the_methods_own(method, budget
     engine.prefill(cache, state, input_ids, pad, generation, full)
     verifier = engine.verifier(cache, full, state, generation)
     for _ in range(5):
-        verifier.run_round(generation)
+        verifier.run_round()
     committed = state.out[0, :int(state.step)].tolist()
 
     own = engine.new_cache(engine.policy_factory, 1, pad.shape[1], generation)
