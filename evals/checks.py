@@ -11,7 +11,7 @@ from typing import Any
 
 from evals.configs import CONF_DIR, compose_config, default_config, group_options
 from evals.shards import Shard
-from longflow.config import EngineConfig, GenerationConfig, from_mapping
+from longflow.config import EngineConfig, GenerationConfig, VerifyConfig, from_mapping
 from longflow.errors import UserError
 
 # Keys of the generation group that name it rather than configure `GenerationConfig`.
@@ -67,8 +67,9 @@ def check_fields(cfg: dict[str, Any]) -> None:
         raise UserError("overwrite=true with shard= would delete the other shards' samples; overwrite the run "
                         "once without shard=, or resume it with allow_code_change=true")
     generation = {key: value for key, value in cfg["generation"].items() if key not in GENERATION_LABELS}
-    from_mapping(GenerationConfig, generation, "generation")
+    generation = from_mapping(GenerationConfig, generation, "generation")
     from_mapping(EngineConfig, cfg["engine"], "engine")
+    from_mapping(VerifyConfig, cfg.get("verify", {}), "verify").check_generation(generation)
 
 
 def config_groups() -> list[str]:

@@ -100,9 +100,36 @@ def summarize(identity: dict[str, Any], generations: list[dict], batches: list[d
         cuda_graph=any(batch.get("cuda_graph") for batch in batches),
         device=batches[-1]["device"] if batches else None,
     )
+    if identity.get("verify"):
+        metrics["verify"], metrics["verify_horizon"] = identity["verify"]["name"], identity["verify"]["horizon"]
+        metrics.update(summarize_verify(generations))
     if fidelity:
         metrics["fidelity"] = summarize_fidelity(fidelity)
     return metrics
+
+
+def summarize_verify(generations: list[dict]) -> dict[str, Any]:
+    """The acceptance figures of a run with verification (`longflow.verify`), over the records that
+    have them (a copied record, `evals.reuse`, has none):
+
+    - `verify_rounds`: verify rounds, every item's together;
+    - `accepted_histogram`: how many rounds accepted a = 0, 1, ..., h drafts (a is measured before
+      a stop inside the round cuts what is committed);
+    - `accepted_per_round`: the mean of a over the rounds;
+    - `compressed_only_share`: the share of generated tokens that came from accepted drafts, whose
+      step read the compressed cache only (the rest are each round's token from the full cache, and
+      the first token, from the prompt's forward).
+    """
+    records = [record for record in generations if "verify_rounds" in record]
+    histogram = np.sum([record["accepted_histogram"] for record in records], axis=0).tolist() if records else []
+    rounds = sum(histogram)
+    tokens = sum(record["output_tokens"] for record in records)
+    return {
+        "verify_rounds": rounds,
+        "accepted_histogram": histogram,
+        "accepted_per_round": sum(a * n for a, n in enumerate(histogram)) / rounds if rounds else None,
+        "compressed_only_share": sum(record["drafted_tokens"] for record in records) / tokens if tokens else None,
+    }
 
 
 # The running agreement: pooled over a trailing window of this many output steps.

@@ -36,7 +36,7 @@ from evals.prompts import build_messages, render_prompt, truncate_prompt
 from evals.reuse import reuse_option, split_work, with_mode
 from evals.shards import Shard
 from evals.store import CONFIG, ITEMS, PROVENANCE, RunDir, in_scope, provenance, stable_hash
-from longflow.config import EngineConfig, GenerationConfig, from_mapping
+from longflow.config import EngineConfig, GenerationConfig, VerifyConfig, from_mapping
 from longflow.engine import Engine
 from longflow.errors import UserError, out_of_memory
 from longflow.fidelity import teacher_force
@@ -116,6 +116,7 @@ class Setup:
     overwrite: bool = False  # start every run of the config again, its stored records deleted
     allow_code_change: bool = False  # resume a run made by other code (`evals.fingerprint`)
     reuse_full_cache: str = "off"  # evals.reuse.MODES
+    verify: Any = None  # longflow.config.VerifyConfig
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Setup:
@@ -135,6 +136,8 @@ class Setup:
         generation_name, protocol = generation_params.pop("name"), generation_params.pop("protocol")
         limit = cfg.get("limit")
         generation = from_mapping(GenerationConfig, generation_params, "generation")
+        verify = from_mapping(VerifyConfig, cfg.get("verify", {}), "verify")
+        verify.check_generation(generation)
         return cls(
             method=method, method_params=method_params, policy=policy, budget=policy.budget,
             generation_name=generation_name,
@@ -146,6 +149,7 @@ class Setup:
             overwrite=cfg["overwrite"], allow_code_change=cfg["allow_code_change"],
             reuse_full_cache=reuse_option(cfg.get("reuse_full_cache", "off"), generation_name, generation,
                                           type(policy).uses_budget),
+            verify=verify,
         )
 
     def identity(self, job: Job, tokenizer) -> dict[str, Any]:
@@ -165,6 +169,11 @@ class Setup:
         checkpoint = None if random else checkpoint_fingerprint(spec.hub_id)
         if checkpoint is not None:  # absent for hub ids: their revision names the weights
             identity["checkpoint"] = checkpoint
+        if self.verify is not None and self.verify.enabled:
+            # Only then, so that the identities of the runs made before verification existed stay theirs.
+            # The horizon changes the acceptance figures (not the tokens); where the full cache lives
+            # changes only the speed, like the engine's fields.
+            identity["verify"] = {"name": self.verify.name, "horizon": self.verify.horizon}
         return with_mode(identity, self.reuse_full_cache)
 
 
@@ -234,7 +243,7 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
     check_device_fits(setup.model, model, device)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     engine = Engine(model, lambda: copy.deepcopy(setup.policy), eos_token_ids(model, tokenizer), pad_id,
-                    setup.engine)
+                    setup.engine, setup.verify)
     seeds = {"generation": setup.generation.seed, "dataset": cfg["dataset"]["seed"], "init": setup.model.init_seed}
     code = code_record(setup.policy)
     return [run_dataset(job, setup, engine, tokenizer, Path(cfg["results_dir"]), config_yaml, seeds, code)
@@ -387,6 +396,7 @@ class Outputs:
     prompt_tokens: list[int]
     seconds: list[float]
     peak_slots: list[int]
+    verify: list[dict | None]  # each unit's verification statistics (`Verifier.row_stats`), or None
 
 
 def batch_units(work, batch_size: int, job: Job, setup: Setup, engine, prompts):
@@ -398,7 +408,7 @@ def batch_units(work, batch_size: int, job: Job, setup: Setup, engine, prompts):
             [row_seed(setup.generation.seed, job.name, item.id, sample) for item, sample in units],
         )
         outputs = Outputs(result.tokens, result.finish_reasons, result.prompt_tokens, batch_seconds(result),
-                          result.peak_slots)
+                          result.peak_slots, result.verify or [None] * len(units))
         yield units, outputs, timing_record(engine, len(units), result.prefill_seconds, result.step_seconds,
                                             sum(len(t) for t in result.tokens), result.peak_memory_bytes,
                                             result.cuda_graph, continuous=False)
@@ -409,7 +419,7 @@ def serve_units(work, batch_size: int, job: Job, setup: Setup, engine, prompts):
     once there are `batch_size` of them (grading starts worker processes: not for every few rows),
     and the rest at the end; the timing record covers every prefill and step since the last group."""
     serving = Engine(engine.model, engine.policy_factory, engine.eos_ids.tolist(), engine.pad_id,
-                     replace(setup.engine, batch_size=batch_size))
+                     replace(setup.engine, batch_size=batch_size), engine.verify)
     pending, prefill, steps, memory, graph = [], 0.0, [], None, False
     rounds = serving.serve(
         [prompts[item.id] for item, _ in work], setup.generation,
@@ -437,7 +447,7 @@ def group_of(work, served: list, engine, prefill: float, steps: list[float], mem
     units = [work[item.index] for item in served]
     outputs = Outputs([item.tokens for item in served], [item.finish_reason for item in served],
                       [item.prompt_tokens for item in served], [item.seconds for item in served],
-                      [item.peak_slots for item in served])
+                      [item.peak_slots for item in served], [item.verify for item in served])
     return units, outputs, timing_record(engine, len(served), prefill, steps, sum(len(t) for t in outputs.tokens),
                                          memory, graph, continuous=True)
 
@@ -470,6 +480,7 @@ def graded_records(units, outputs: Outputs, job: Job, setup: Setup, engine, toke
             "finish_reason": outputs.finish_reasons[row], "extracted": grades[row].extracted, "gold": item.gold,
             "correct": grades[row].correct, "reason": grades[row].reason, "seconds": outputs.seconds[row],
             "peak_slots": outputs.peak_slots[row],
+            **(outputs.verify[row] or {}),
         }
         for row, (item, sample) in enumerate(units)
     ]
@@ -529,13 +540,18 @@ def decode(tokenizer, tokens: list[int], eos_ids: list[int]) -> str:
 
 
 def batch_seconds(result) -> list[float]:
-    """Each row's generation time: the batch's prefill plus the decode steps until it finished."""
+    """Each row's generation time: the batch's prefill plus the decode steps (with verification, the
+    rounds) until it finished."""
     cumulative, total = [], 0.0
     for step in result.step_seconds:
         total += step
         cumulative.append(total)
-    return [result.prefill_seconds + (cumulative[len(t) - 2] if len(t) >= 2 and cumulative else 0.0)
-            for t in result.tokens]
+    if result.verify is not None:
+        done = [stats["verify_rounds"] for stats in result.verify]
+    else:
+        done = [len(t) - 1 for t in result.tokens]
+    return [result.prefill_seconds + (cumulative[count - 1] if count >= 1 and cumulative else 0.0)
+            for count in done]
 
 
 def failure_record(item, sample: int, job: Job, prompt_tokens: int, reason: str) -> dict:

@@ -59,7 +59,8 @@ def stable_hash(value: Any, length: int = 10) -> str:
 def run_name(identity: dict[str, Any]) -> str:
     """Readable prefix plus the identity hash: `<model>__<method>__b<budget>__<generation>__<dataset>__<hash>`."""
     budget = "full" if identity["budget"] is None else f"b{identity['budget']}"
-    parts = [identity["model"], identity["method"], budget, identity["generation"], identity["dataset"]]
+    method = identity["method"] + (f"+{identity['verify']['name']}" if identity.get("verify") else "")
+    parts = [identity["model"], method, budget, identity["generation"], identity["dataset"]]
     return "__".join([*parts, stable_hash(identity)])
 
 

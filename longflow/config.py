@@ -123,3 +123,49 @@ class EngineConfig:
         for name in ("batch_size", "check_every", "prefill_rows", "refill_rows"):
             if getattr(self, name) <= 0:
                 raise UserError(f"engine.{name} must be positive, got {getattr(self, name)}")
+
+
+VERIFY_MODES = ("none", "vericache")
+FULL_CACHE_PLACEMENTS = ("gpu", "host")
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    """Lossless decoding over a compressed cache (VeriCache, `longflow.verify`): the run's method drafts
+    `horizon` greedy tokens with its compressed cache, one forward over the full cache kept beside it
+    verifies them, and the longest agreeing prefix is committed with the full cache's next token.
+
+    `name`: `none` (ordinary decoding) or `vericache`. `horizon`: drafted tokens per round (25, the
+    paper's setting for a compressor that keeps a fifth of the cache). `full_cache`: where the full
+    cache lives, `gpu` (beside the compressed one) or `host` (pinned host memory, each layer copied
+    to the device for the verify forward, the copies timed); on a CPU run both are the same memory.
+    The tokens do not depend on `horizon` or `full_cache` (greedy is lossless by construction); the
+    acceptance figures depend on `horizon`.
+    """
+
+    name: str = "none"
+    horizon: int = 25
+    full_cache: str = "gpu"
+
+    def __post_init__(self):
+        check_types(self, "verify")
+        if self.name not in VERIFY_MODES:
+            raise UserError(f"verify.name must be one of {VERIFY_MODES}, got {self.name!r}")
+        if self.horizon <= 0:
+            raise UserError(f"verify.horizon must be positive, got {self.horizon}")
+        if self.full_cache not in FULL_CACHE_PLACEMENTS:
+            raise UserError(f"verify.full_cache must be one of {FULL_CACHE_PLACEMENTS}, got {self.full_cache!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "none"
+
+    def check_generation(self, generation: GenerationConfig) -> None:
+        """The decoding settings verification supports: greedy, without a repetition penalty."""
+        if not self.enabled:
+            return
+        if not generation.greedy:
+            raise UserError("verify=vericache verifies greedy tokens only: generation=sampling (temperature "
+                            f"{generation.temperature}) would need the rejection-sampling rule, not implemented")
+        if generation.repetition_penalty != 1.0:
+            raise UserError("verify=vericache does not support generation.repetition_penalty != 1.0")

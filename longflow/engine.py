@@ -32,9 +32,10 @@ from transformers import PreTrainedModel
 
 from longflow.cache import PolicyCache
 from longflow.compile import compiled_decode
-from longflow.config import EngineConfig, GenerationConfig
+from longflow.config import EngineConfig, GenerationConfig, VerifyConfig
 from longflow.policy import ALIGN, CacheSpec, KVPolicy, round_up
 from longflow.sampling import select_tokens
+from longflow.verify import FullCache, RoundSeconds, Verifier
 
 
 @dataclass
@@ -49,6 +50,10 @@ class BatchResult:
     peak_slots: list[int]  # most KV slots held by each row, over layers and heads
     peak_memory_bytes: int | None  # peak device memory during the batch (None on CPU)
     cuda_graph: bool  # whether the decode steps ran as graph replays
+    # With verification (`longflow.verify`): step_seconds holds each round's, and each row's
+    # statistics (`Verifier.row_stats`) and where the rounds spent their time are here.
+    verify: list[dict] | None = None
+    round_seconds: RoundSeconds | None = None
 
 
 @dataclass
@@ -61,6 +66,7 @@ class Served:
     prompt_tokens: int
     seconds: float  # from the start of its prefill to the check that found it finished
     peak_slots: int  # most KV slots it held, over layers and heads
+    verify: dict | None = None  # its verification statistics (`Verifier.row_stats`), when verifying
 
 
 @dataclass
@@ -115,10 +121,13 @@ class Engine:
         eos_ids: list[int],
         pad_id: int,
         config: EngineConfig | None = None,
+        verify: VerifyConfig | None = None,
     ):
         self.model = model
         self.policy_factory = policy_factory
         self.config = config or EngineConfig()
+        # VeriCache (`longflow.verify`): the policy drafts, a full cache beside it verifies.
+        self.verify = verify if verify is not None and verify.enabled else None
         self.device = next(model.parameters()).device
         self.eos_ids = torch.tensor(eos_ids, dtype=torch.long, device=self.device)
         self.pad_id = pad_id
@@ -167,9 +176,11 @@ class Engine:
             policy.observe(output.logits, output.hidden_states)
         return output.logits[:, -1]
 
-    def prefill(self, cache, state, input_ids, pad, generation) -> None:
-        """Prompt forward `[B, L]`, then the first token into `state`."""
-        (logits,) = self.prompt_forward((cache,), state, input_ids, pad)
+    def prefill(self, cache, state, input_ids, pad, generation, full: PolicyCache | None = None) -> None:
+        """Prompt forward `[B, L]`, then the first token into `state`. With a verifying full cache
+        `full`, the prompt goes through it too, and its logits give the first token."""
+        caches = (cache,) if full is None else (full, cache)
+        logits = self.prompt_forward(caches, state, input_ids, pad)[0]
         self.emit(state, select_tokens(logits, generation, state.seeds, state.step, state.seen), generation)
 
     def prompt_forward(self, caches, state, input_ids, pad) -> list[torch.Tensor]:
@@ -244,15 +255,24 @@ class Engine:
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(self.device)
         cache = self.new_cache(self.policy_factory, batch, pad.shape[1], generation)
+        full = self.new_full_cache(batch, pad.shape[1], generation) if self.verify else None
         state = DecodeState(batch, generation.max_new_tokens, self.vocab, seeds, self.pad_id, self.device,
                             track_seen=generation.repetition_penalty != 1.0, limits=limits)
 
         synchronize(self.device)
         start = time.perf_counter()
-        self.prefill(cache, state, input_ids, pad, generation)
+        self.prefill(cache, state, input_ids, pad, generation, full)
         synchronize(self.device)
         prefill_seconds = time.perf_counter() - start
-        step_seconds, used_graph = self.decode_n_tokens(cache, state, generation, generation.max_new_tokens - 1)
+        verifier = None
+        if full is None:
+            step_seconds, used_graph = self.decode_n_tokens(cache, state, generation, generation.max_new_tokens - 1)
+        else:
+            verifier = self.verifier(cache, full, state, generation)
+            step_seconds = []
+            while not bool(state.finished.all()):
+                step_seconds.append(verifier.run_round())
+            used_graph = verifier.step.graph is not None
 
         tokens, reasons = self.outputs(state, generation)
         return BatchResult(
@@ -264,7 +284,25 @@ class Engine:
             peak_slots=cache.policy.peak_slots(),
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if on_gpu else None,
             cuda_graph=used_graph,
+            verify=None if verifier is None else verifier.row_stats(),
+            round_seconds=None if verifier is None else verifier.seconds,
         )
+
+    # ---- verification ------------------------------------------------------------------------
+
+    def new_full_cache(self, batch: int, prompt_len: int, generation: GenerationConfig) -> PolicyCache:
+        """The full cache that verifies a batch's drafts (`longflow.verify.FullCache`)."""
+        horizon, host = self.verify.horizon, self.verify.full_cache == "host"
+        return self.new_cache(lambda: FullCache(horizon=horizon, host=host), batch, prompt_len, generation)
+
+    def verifier(self, cache: PolicyCache, full: PolicyCache, state: DecodeState,
+                 generation: GenerationConfig) -> Verifier:
+        """The rounds of a batch whose caches are prefilled."""
+        self.verify.check_generation(generation)
+        return Verifier(self.model, cache, full, state, self.verify.horizon, self.forward,
+                        lambda step, policies, graph: Stepper(step, policies, self.device,
+                                                              self.config.cuda_graph and graph),
+                        None if generation.ignore_eos else self.eos_ids)
 
     # ---- continuous batching -----------------------------------------------------------------
 
@@ -288,11 +326,17 @@ class Engine:
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(self.device)
         cache = self.new_cache(self.policy_factory, rows, length, generation)
+        full = self.new_full_cache(rows, length, generation) if self.verify else None
         state = DecodeState(rows, generation.max_new_tokens, self.vocab, [0] * rows, self.pad_id, self.device,
                             track_seen=generation.repetition_penalty != 1.0, finished=True)
         cache.policy.begin_serving(state.positions)
-        stepper = Stepper(lambda: self.decode_one_token(cache, state, generation), (cache.policy,), self.device,
-                          self.config.cuda_graph)
+        verifier = None
+        if full is None:
+            stepper = Stepper(lambda: self.decode_one_token(cache, state, generation), (cache.policy,), self.device,
+                              self.config.cuda_graph)
+        else:
+            full.policy.begin_serving(state.positions)
+            verifier = self.verifier(cache, full, state, generation)
         queue = deque(range(len(prompts)))
         holder: list[int | None] = [None] * rows  # the prompt index each row decodes
         started = [0.0] * rows
@@ -306,38 +350,52 @@ class Engine:
                 indices = [queue.popleft() for _ in chunk]
                 start = time.perf_counter()
                 self.admit(cache, state, chunk, [prompts[i] for i in indices], [seeds[i] for i in indices],
-                           [limits[i] for i in indices], length, generation)
+                           [limits[i] for i in indices], length, generation, full, verifier)
                 synchronize(self.device)
                 prefill_seconds += time.perf_counter() - start
                 for row, index in zip(chunk, indices, strict=True):
                     holder[row], started[row] = index, start
             if all(index is None for index in holder):
                 return
-            step_seconds = stepper.run(self.config.check_every)
+            if verifier is None:
+                step_seconds = stepper.run(self.config.check_every)
+            else:  # rounds of h + 1 tokens at most, about `check_every` tokens between looks
+                step_seconds = [verifier.run_round()
+                                for _ in range(max(1, self.config.check_every // (self.verify.horizon + 1)))]
             finished = state.finished.tolist()
             done = [row for row in range(rows) if holder[row] is not None and finished[row]]
             served = self.harvest(cache, state, done, [holder[row] for row in done], [started[row] for row in done],
-                                  prompts, generation)
+                                  prompts, generation, verifier)
             for row in done:
                 holder[row] = None
             idle = [row for row in range(rows) if holder[row] is None and row not in released] if not queue else []
             if idle:  # free rows the queue can no longer fill (some may have waited for `refill_rows`)
                 cache.policy.release(idle)
+                if full is not None:
+                    full.policy.release(idle)
                 released.update(idle)
             yield ServeRound(
                 finished=served, prefill_seconds=prefill_seconds, step_seconds=step_seconds,
                 peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if on_gpu else None,
-                cuda_graph=stepper.graph is not None, rows=rows, admitted=len(admitted),
+                cuda_graph=(stepper if verifier is None else verifier.step).graph is not None, rows=rows,
+                admitted=len(admitted),
             )
 
     def admit(self, cache: PolicyCache, state: DecodeState, rows: list[int], prompts: list[list[int]],
-              seeds: list[int], limits: list[int], length: int, generation: GenerationConfig) -> None:
+              seeds: list[int], limits: list[int], length: int, generation: GenerationConfig,
+              full: PolicyCache | None = None, verifier: Verifier | None = None) -> None:
         """Prefills `prompts` through a policy of their own, allocated like the rows' (prompt length
-        `length`), and hands them to `rows` of `cache` and `state`."""
+        `length`), and hands them to `rows` of `cache` and `state`; with verification, through a full
+        cache of their own too, handed to `rows` of `full`, and the rows' statistics restart."""
         input_ids, pad = self.batch_inputs(prompts)
         staged, staged_state = self.stage(seeds, limits, length, generation, track_seen=state.seen is not None)
-        self.prefill(staged, staged_state, input_ids, pad, generation)
+        staged_full = None if full is None else self.new_full_cache(len(prompts), length, generation)
+        self.prefill(staged, staged_state, input_ids, pad, generation, staged_full)
         self.adopt(cache, state, rows, staged, staged_state)
+        if full is not None:
+            index = torch.tensor(rows, dtype=torch.long, device=self.device)
+            full.policy.admit(index, staged_full.policy)
+            verifier.reset_rows(index)
 
     def stage(self, seeds: list[int], limits: list[int], length: int, generation: GenerationConfig,
               track_seen: bool) -> tuple[PolicyCache, DecodeState]:
@@ -355,16 +413,19 @@ class Engine:
         state.admit(index, staged_state)
 
     def harvest(self, cache: PolicyCache, state: DecodeState, rows: list[int], indices: list[int],
-                started: list[float], prompts: list[list[int]], generation: GenerationConfig) -> list[Served]:
+                started: list[float], prompts: list[list[int]], generation: GenerationConfig,
+                verifier: Verifier | None = None) -> list[Served]:
         """The finished `rows`' outputs (syncs the host)."""
         if not rows:
             return []
         index = torch.tensor(rows, dtype=torch.long, device=self.device)
         tokens, reasons = self.outputs(state, generation, index)
         peaks = cache.policy.peak_slots()
+        stats = [None] * len(rows) if verifier is None else verifier.row_stats(rows)
         now = time.perf_counter()
         return [Served(index=indices[j], tokens=tokens[j], finish_reason=reasons[j],
-                       prompt_tokens=len(prompts[indices[j]]), seconds=now - started[j], peak_slots=peaks[row])
+                       prompt_tokens=len(prompts[indices[j]]), seconds=now - started[j], peak_slots=peaks[row],
+                       verify=stats[j])
                 for j, row in enumerate(rows)]
 
     # ---- shared ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pandas as pd
 import torch
 
 from evals.configs import method_config
-from longflow.config import EngineConfig
+from longflow.config import EngineConfig, VerifyConfig
 from longflow.engine import Engine
 from longflow.methods import build_policy
 from longflow.policy import KVPolicy
@@ -22,10 +22,12 @@ def method_policy(method: str, budget: int | None) -> KVPolicy:
     return build_policy(method_config(method), budget)
 
 
-def bench_engine(model, policy: KVPolicy, **config) -> Engine:
+def bench_engine(model, policy: KVPolicy, verify: VerifyConfig | None = None, **config) -> Engine:
     """An engine whose every cache gets a copy of `policy` (`engine.policy_factory`), decoding to
-    length (no EOS; pad id 0: random prompts have no padding token); `config`: `EngineConfig` fields."""
-    return Engine(model, lambda: copy.deepcopy(policy), eos_ids=[], pad_id=0, config=EngineConfig(**config))
+    length (no EOS; pad id 0: random prompts have no padding token); `config`: `EngineConfig` fields;
+    `verify`: VeriCache's setting (`longflow.verify`), None for ordinary decoding."""
+    return Engine(model, lambda: copy.deepcopy(policy), eos_ids=[], pad_id=0, config=EngineConfig(**config),
+                  verify=verify)
 
 
 def random_prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:

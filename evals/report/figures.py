@@ -493,7 +493,7 @@ def label_of(runs: pd.DataFrame, model: str) -> str:
     return runs.loc[runs["model"] == model, "model_label"].dropna().iloc[0]
 
 
-FIGURES = ("sweep", "lengths", "sizes", "fidelity")
+FIGURES = ("sweep", "lengths", "sizes", "fidelity", "acceptance")
 
 
 def plot_fidelity(runs: pd.DataFrame, out_dir: Path | str) -> Path:
@@ -534,6 +534,32 @@ def has_fidelity(runs: pd.DataFrame) -> bool:
     return any((Path(path) / FIDELITY).exists() for path in runs["path"])
 
 
+def has_verify(runs: pd.DataFrame) -> bool:
+    return "verify" in runs and bool((runs["verify"] == "vericache").any())
+
+
+def plot_acceptance(runs: pd.DataFrame, out_dir: Path | str) -> Path:
+    """VeriCache's acceptance against the KV budget: the drafts accepted per verify round
+    (`accepted_per_round`), a line per drafting method, a panel per (model, item set), the horizon as
+    a dotted line. Only the runs with `verify=vericache`."""
+    if not has_verify(runs):
+        raise UserError("no run with verify=vericache to plot")
+    runs = prepare(runs[runs["verify"] == "vericache"])
+    runs["accepted_per_round"] = pd.to_numeric(runs["accepted_per_round"], errors="coerce")
+    cells = list(runs[["model", "items"]].drop_duplicates().itertuples(index=False, name=None))
+    palette = colors(runs)
+    figure, axes = new_figure(1, len(cells), sharey=True)
+    for ax, (model, items) in zip(axes[0], cells, strict=True):
+        draw_lines(ax, runs[(runs["model"] == model) & (runs["items"] == items)], "accepted_per_round", palette)
+        for horizon in runs["verify_horizon"].dropna().unique():
+            ax.axhline(float(horizon), color=REFERENCE_COLOR, linestyle=":", linewidth=1.0)
+        ax.set_title(f"{label_of(runs, model)}: {items}", fontsize=10)
+        ax.set_ylabel("accepted drafts per verify round")
+        ax.set_ylim(bottom=0)
+    add_legend(figure, runs)
+    return save(figure, Path(out_dir) / "vericache_acceptance.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evals.figures", description=__doc__.splitlines()[0])
     add_filters(parser)
@@ -550,6 +576,8 @@ def main(argv: list[str] | None = None) -> int:
             paths += plot_model_sizes(runs, args.out)
         if args.only in (None, "fidelity") and has_fidelity(runs):
             paths.append(plot_fidelity(runs, args.out))
+        if args.only in (None, "acceptance") and has_verify(runs):
+            paths.append(plot_acceptance(runs, args.out))
     except UserError as error:
         return report(error)
     for path in paths:

@@ -163,6 +163,9 @@ def label(runs: pd.DataFrame) -> pd.DataFrame:
     modes = runs["budget_mode"] if "budget_mode" in runs else pd.Series(None, index=runs.index, dtype=object)
     runs["method_label"] = [method_label(m, v, b) for m, v, b in zip(runs["method"], runs["variant"], modes,
                                                                       strict=True)]
+    if "verify" in runs:  # the method drafting for VeriCache (`verify=vericache`) is a row of its own
+        runs["method_label"] = [f"{name} + VeriCache" if verify == "vericache" else name
+                                for name, verify in zip(runs["method_label"], runs["verify"], strict=True)]
     runs["method_rank"] = runs["method"].map(method_rank)
     runs["budget_label"] = [
         "-" if method == REFERENCE or pd.isna(budget) else str(int(budget))
