@@ -10,7 +10,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PDF_MAGIC = b"%PDF-"
 
 
-SIZES = {"gsm8k": 1319, "math500": 500, "aime24": 30, "demo": 8, "canary": 200}
+SIZES = {"gsm8k": 1319, "math500": 500, "aime24": 30, "demo": 8, "canary": 200,
+         **{f"canary_{family}": 200 for family in ("state", "lookup", "plan", "redundant", "chain")}}
 
 
 def write_run(root, model, method, budget, dataset, accuracy, *, variant="paper", generation="greedy",
