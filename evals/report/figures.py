@@ -440,6 +440,9 @@ def file_name(text: str) -> str:
     return "".join(char if char.isalnum() or char in "-." else "_" for char in text)
 
 
+VIOLINS_PER_HALF_WIDTH = 10  # more methods than this and their names overlap on half the text width
+
+
 def output_lengths(run: Path) -> list[int]:
     """The output lengths (tokens) of a run's stored samples, of the items its config covers."""
     return [record["output_tokens"] for record in in_scope(peek_records(run / GENERATIONS), planned_items(run))]
@@ -458,7 +461,9 @@ def plot_output_lengths(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
         reference = data[data["method"] == REFERENCE]
         budgets = [b for b in data.sort_values("budget_rank")["budget_label"].unique() if b != "-"] or ["-"]
         with matplotlib.rc_context(PAPER_STYLE):
-            figure, axes = paper_figure(len(budgets), "", "output length (tokens)", columns=2, panel_height=2.2)
+            crowded = data["series"].nunique() > VIOLINS_PER_HALF_WIDTH  # a panel of the full width each
+            figure, axes = paper_figure(len(budgets), "", "output length (tokens)", columns=1 if crowded else 2,
+                                        panel_height=2.2)
             for ax, budget in zip(axes, budgets, strict=True):
                 cell = pd.concat([reference, data[(data["budget_label"] == budget) & (data["method"] != REFERENCE)]])
                 series = [s for s in cell["series"].drop_duplicates()
@@ -473,7 +478,8 @@ def plot_output_lengths(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
                     body.set_facecolor(palette[name])
                     body.set_alpha(0.6)
                 parts["cmedians"].set_color("0.1")
-                ax.set_xticks(range(1, len(series) + 1), series, rotation=30, ha="right")
+                ax.set_xticks(range(1, len(series) + 1), series, rotation=45 if crowded else 30, ha="right",
+                              rotation_mode="anchor")
                 ax.set_title("full cache only" if budget == "-" else f"KV budget {budget}")
                 ax.grid(axis="y", alpha=0.3)
             datasets = data["dataset_label"].unique()
@@ -643,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metric", default="accuracy", help="the heatmap's metric (a table metric)")
     parser.add_argument("--bootstrap", type=int, metavar="B",
                         help="the heatmap marks the cells that cannot be told from the best (B resamples)")
-    parser.add_argument("--recall", type=Path, metavar="FILE.csv",
+    parser.add_argument("--recall", type=Path, nargs="+", metavar="FILE.csv",
                         help="the heatmap of evals.canary.recall's CSV (--metric recall_layers, ...)")
     args = parser.parse_args(argv)
     try:

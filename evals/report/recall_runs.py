@@ -38,13 +38,20 @@ def item_scores(reads: list[dict], metric: str, family: str) -> ItemScores:
                                                                                       dtype=float))
 
 
-def recall_frame(csv_path: Path | str, metric: str) -> pd.DataFrame:
-    """The recall CSV as `evals.report.runs.collect`'s frame: model (the CSV's, else `RECALL_MODEL`),
-    method, budget, dataset `canary_<family>`, `n_items` and `n_planned` its item count, `metric`,
-    and `item_scores` from the JSON beside it (`<stem>.json`, None per row when absent)."""
-    csv_path = Path(csv_path)
+def recall_frame(csv_paths: list[Path | str] | Path | str, metric: str) -> pd.DataFrame:
+    """Recall CSVs (one, or several: a sweep run a family at a time) as `evals.report.runs.collect`'s
+    frame: model (the CSV's, else `RECALL_MODEL`), method, budget, dataset `canary_<family>`,
+    `n_items` and `n_planned` its item count, `metric`, and `item_scores` from the JSON beside each
+    (`<stem>.json`, None per row when absent)."""
     if metric not in RECALL_METRICS:
         raise UserError(f"--recall tabulates {', '.join(RECALL_METRICS)}, not {metric!r}")
+    paths = [csv_paths] if isinstance(csv_paths, (str, Path)) else csv_paths
+    frames = [recall_file(Path(path), metric) for path in paths]
+    return pd.concat(frames, ignore_index=True) if len(frames) > 1 else frames[0]
+
+
+def recall_file(csv_path: Path, metric: str) -> pd.DataFrame:
+    """One recall CSV as `recall_frame` reads it."""
     try:
         table = pd.read_csv(csv_path)
     except (OSError, pd.errors.ParserError, pd.errors.EmptyDataError) as error:

@@ -3,7 +3,7 @@
     python -m evals.table [--runs results/runs | --sweep DIR ...] [--out results/table1]
                           [--model M ...] [--method M ...] [--budget N ...] [--dataset D ...]
                           [--limit N ...] [--generation G] [--metric accuracy] [--stderr]
-                          [--bootstrap B] [--paired-against fullkv|best] [--recall FILE.csv]
+                          [--bootstrap B] [--paired-against fullkv|best] [--recall FILE.csv ...]
                           [--caption TEXT] [--label tab:x] [--wide]
 
 Reads every `metrics.json` under the runs folder, or exactly the runs of a sweep (`--sweep`, its
@@ -33,7 +33,7 @@ that interval in each cell; the CSV has both intervals as columns. The per-item 
 each run's generations.jsonl (accuracy) or from the recall file's JSON (recall metrics).
 
 `--metric recall_layers` (or `recall_layer0`, `complete_items`) tabulates the dependency recall of
-`evals.canary.recall` from its CSV (`--recall results/canary_suite/recall.csv`, its `.json` beside
+`evals.canary.recall` from its CSVs (`--recall results/canary_suite/recall/*.csv`, each `.json` beside
 it for the bootstrap; `evals.report.recall_runs`), a cell per method, family and budget; without
 `--recall` the runs' own metrics.json are read for that key.
 
@@ -513,7 +513,7 @@ def load_recall(args: argparse.Namespace) -> pd.DataFrame:
     runs = recall_frame(args.recall, args.metric)
     runs = select(runs, args.model, args.dataset, args.generation, args.method, args.budget, args.limit)
     if runs.empty:
-        raise UserError(f"no rows of {args.recall} match the filters")
+        raise UserError(f"no rows of {', '.join(map(str, args.recall))} match the filters")
     return runs
 
 
@@ -532,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paired-against", choices=PAIRED_AGAINST,
                         help="with --bootstrap: write each cell's interval of its difference from FullKV or the best")
     parser.add_argument("--seed", type=int, default=BootstrapConfig.seed, help="the bootstrap's seed")
-    parser.add_argument("--recall", type=Path, metavar="FILE.csv",
-                        help="tabulate evals.canary.recall's CSV instead of runs "
+    parser.add_argument("--recall", type=Path, nargs="+", metavar="FILE.csv",
+                        help="tabulate evals.canary.recall's CSVs instead of runs "
                              f"(--metric {'|'.join(RECALL_METRICS)})")
     parser.add_argument("--caption", help="the LaTeX caption (LaTeX as is; default: says what the table shows)")
     parser.add_argument("--label", default="tab:table1", help="the LaTeX label")
