@@ -26,6 +26,7 @@ RESAMPLES = 10_000  # the usual count for percentile intervals at 95% (Efron and
 CONFIDENCE = 0.95
 SEED = 0
 CHUNK = 1_000  # resamples drawn at once: bounds the index matrix to CHUNK x items
+COUNTS_KEPT = 16  # draws kept (one per item-set column of a table): a table's columns are compared row by row
 
 
 @dataclass(frozen=True)
@@ -106,11 +107,12 @@ def paired(a: ItemScores, b: ItemScores) -> tuple[np.ndarray, np.ndarray]:
     return (np.stack([a.numerator[in_a], b.numerator[in_b]]), np.stack([a.denominator[in_a], b.denominator[in_b]]))
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=COUNTS_KEPT)
 def resample_counts(items: int, config: BootstrapConfig, stream: int) -> np.ndarray:
     """`[resamples, items]`: how many times each item is drawn in each resample (items drawn with
     replacement, uniformly), from the seed's stream `stream`. Every comparison over the same number
-    of items on one stream shares these draws, so each costs one matrix product."""
+    of items on one stream shares these draws, so each costs one matrix product. Kept for the last
+    `COUNTS_KEPT` (items, config, stream): 8 bytes x resamples x items each, 16 MB at 200 items."""
     rng = np.random.default_rng(np.random.SeedSequence([config.seed, stream]))
     counts = []
     for start in range(0, config.resamples, CHUNK):
