@@ -30,7 +30,7 @@ LAUNCH := $(if $(LAUNCHER),hydra/launcher=$(LAUNCHER) dataset=$(TABLE1_DATASETS)
 	$(if $(filter local_gpus,$(LAUNCHER)),$(if $(filter-out 0,$(GPUS)),hydra.launcher.gpus_per_node=$(GPUS))) \
 	$(if $(filter-out 1,$(SHARDS)),shard=$(shell seq -s, -f '%g/$(SHARDS)' 0 $$(($(SHARDS) - 1))))
 
-.PHONY: install test test-fast demo demo-sweep table1 table fig1 fig3 fig4 figures results lint clean
+.PHONY: install test test-fast demo demo-sweep table1 table fig1 fig3 fig4 figures results canary-suite-report lint clean
 
 install: $(STAMP)
 
@@ -103,6 +103,21 @@ fig4: $(ENV)
 
 results: $(ENV)  ## every run's metrics in one long-format CSV (one row per run x metric)
 	$(REPORT).results --runs $(RUNS) --out results/results.csv
+
+# The canary suite's report from its runs (results/canary_suite/runs, made as its README says) and its
+# recall files: tables with paired intervals, the heatmaps, the reversals against the state family.
+SUITE := results/canary_suite
+canary-suite-report: $(ENV)  ## the canary suite's tables, heatmaps and order report from its runs and recall files
+	$(REPORT).table --runs $(SUITE)/runs --out $(SUITE)/table --bootstrap 10000
+	$(REPORT).table --runs $(SUITE)/runs --out $(SUITE)/table_vs_best --bootstrap 10000 --paired-against best
+	$(REPORT).table --recall $(SUITE)/recall/recall_*.csv --metric recall_layers --out $(SUITE)/table_recall_layers \
+		--bootstrap 10000
+	$(REPORT).table --recall $(SUITE)/recall/recall_*.csv --metric recall_layer0 --out $(SUITE)/table_recall_layer0 \
+		--bootstrap 10000
+	$(REPORT).figures --runs $(SUITE)/runs --out $(SUITE) --only heatmap --bootstrap 10000
+	$(REPORT).figures --recall $(SUITE)/recall/recall_*.csv --metric recall_layers --out $(SUITE) --only heatmap \
+		--bootstrap 10000
+	$(REPORT).order --runs $(SUITE)/runs --reference state --out $(SUITE)/order
 
 fig1: $(ENV)  ## decode-attention microbenchmark (the paper's Figure 1); needs a CUDA GPU
 	$(PY) -m evals.bench.attention --out results

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import policy_of
 from helpers.canary import SMALL_BUDGET, EvictNewest, EvictRandom
+from helpers.reports import is_figure
 
 from evals.canary.eviction_map import draw, held_matrix
 from evals.canary.families import heldout
@@ -108,5 +109,5 @@ def test_the_eviction_map_draws_what_was_held(tmp_path):
     last = len(trace.steps) - 1
     newest = len(item.prompt) + trace.steps[last] - 1
     assert matrix[newest, last] == 1.0 and matrix[newest - 200, last] == 0.0 and matrix.sum(axis=0).max() <= 64
-    out = draw([("streaming", recalls[0], trace)], item, 0, "test", tmp_path / "map.png")
-    assert out.stat().st_size > 1000
+    png, pdf = draw([("streaming", recalls[0], trace)], item, 0, "test", tmp_path / "map.png")
+    assert is_figure(png) and is_figure(pdf) and pdf.name == "map.pdf"

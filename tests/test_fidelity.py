@@ -311,11 +311,12 @@ def test_fidelity_figure(tmp_path, capsys):
                                                 rng.random(n).tolist(), str(i)))
                      for i, n in enumerate((40, 64, 64))]
             (run / "fidelity.jsonl").write_text("\n".join(lines) + "\n")
-    assert is_png(plot_fidelity(collect(root), tmp_path / "figs"))
+    png, pdf = plot_fidelity(collect(root), tmp_path / "figs")
+    assert is_png(png) and pdf.suffix == ".pdf"
     assert figures_main(["--runs", str(root), "--out", str(tmp_path / "all")]) == 0
     printed = [p.rsplit("/", 1)[-1] for p in capsys.readouterr().out.split()]
     assert {"accuracy_vs_budget.png", "accuracy_by_method.png", "throughput_vs_budget.png"} < set(printed)
-    assert printed[-1] == "fidelity_vs_step.png"  # drawn by default, after the sweep and the lengths
+    assert printed[-2:] == ["fidelity_vs_step.png", "fidelity_vs_step.pdf"]  # by default, after the others
     without = tmp_path / "plain"
     write_run(without, "tiny_qwen3", "h2o", 128, "gsm8k", 0.5)
     with pytest.raises(UserError, match="fidelity=true"):

@@ -58,10 +58,11 @@ def sweep(root, budgets):
 def test_budget_sweep(tmp_path):
     runs = collect(sweep(tmp_path / "runs", [128, 256, 512]))
     paths = plot_budget_sweep(runs, tmp_path / "figs")
-    assert [p.name for p in paths] == ["accuracy_vs_budget.png", "accuracy_by_method.png",
+    assert [p.name for p in paths] == ["accuracy_vs_budget.png", "accuracy_vs_budget.pdf",
+                                       "accuracy_by_method.png", "accuracy_by_method.pdf",
                                        "budget_grid_tiny_llama.png", "budget_grid_tiny_llama.pdf",
                                        "budget_grid_tiny_qwen3.png", "budget_grid_tiny_qwen3.pdf",
-                                       "throughput_vs_budget.png"]
+                                       "throughput_vs_budget.png", "throughput_vs_budget.pdf"]
     assert all(is_figure(p) for p in paths)
     prepared = prepare(runs)
     assert set(prepared["series"]) == {"FullKV", "StreamingLLM", "H2O", "H2O (lf_repo)", "R-KV", "LongFlow"}
@@ -72,7 +73,7 @@ def test_single_budget_bars(tmp_path, capsys):
     root = sweep(tmp_path / "runs", [256])
     assert main(["--runs", str(root), "--out", str(tmp_path / "figs"), "--model", "tiny_qwen3"]) == 0
     printed = capsys.readouterr().out.split()
-    assert [p.rsplit("/", 1)[-1] for p in printed] == ["methods.png"]
+    assert [p.rsplit("/", 1)[-1] for p in printed] == ["methods.png", "methods.pdf"]
     assert is_png(tmp_path / "figs" / "methods.png")
 
 
@@ -175,7 +176,7 @@ def canary_run(root, method, budget, accuracy, items, *, mtime=None):
 def drawn(monkeypatch):
     """The figures drawn, in order, instead of their files."""
     figures = []
-    monkeypatch.setattr("evals.report.figures.save", lambda figure, path: figures.append(figure) or path)
+    monkeypatch.setattr("evals.report.figures.save", lambda figure, path: figures.append(figure) or [path])
     monkeypatch.setattr("evals.report.figures.save_paper", lambda figure, stem: figures.append(figure) or [stem])
     return figures
 

@@ -318,5 +318,5 @@ def test_runs_store_acceptance_and_the_reports_show_it(tmp_path):
     runs = collect(tmp_path)
     table = build_table(runs, "accepted_per_round")
     assert {"H2O + VeriCache", "StreamingLLM + VeriCache"} <= set(table.values.index.get_level_values("Method"))
-    path = plot_acceptance(runs, tmp_path / "figures")
-    assert path.read_bytes().startswith(b"\x89PNG")
+    png, pdf = plot_acceptance(runs, tmp_path / "figures")
+    assert png.read_bytes().startswith(b"\x89PNG") and pdf.read_bytes().startswith(b"%PDF")

@@ -1,5 +1,6 @@
 """Eviction maps: for one canary suite item, one panel per method, which token positions the KV cache
-held at each output step (x: step, y: position), with the reads each step needs overlaid.
+held at each output step (x: step, y: position), with the reads each step needs overlaid; written
+as PNG and PDF.
 
     python -m evals.canary.eviction_map --family lookup --item 0 --budget 192 \\
         --methods vanilla,streaming,h2o,rkv,longflow --out results/canary_suite/eviction_map_lookup.png
@@ -49,8 +50,10 @@ def trace_method(model, tokenizer, method: str, budget: int | None, item: Teache
     return recalls[0], trace
 
 
-def draw(panels: list[tuple[str, ReadRecall, HeldTrace]], item: Teacher, layer: int, title: str, out: Path) -> Path:
-    """One panel per (label, recall, trace), stacked, sharing the axes."""
+def draw(panels: list[tuple[str, ReadRecall, HeldTrace]], item: Teacher, layer: int, title: str,
+         out: Path) -> list[Path]:
+    """One panel per (label, recall, trace), stacked, sharing the axes; written to `out` (PNG) and
+    the same name as a PDF; returns both paths."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -75,7 +78,8 @@ def draw(panels: list[tuple[str, ReadRecall, HeldTrace]], item: Teacher, layer: 
     figure.suptitle(title, fontsize=10)
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=130)
-    return out
+    figure.savefig(out.with_suffix(".pdf"), metadata={"CreationDate": None})
+    return [out, out.with_suffix(".pdf")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(f"results/canary_suite/eviction_map_{args.family}.png")
     title = (f"{args.family} item {args.item} ({len(item.prompt)} prompt + {len(item.output)} output tokens): "
              f"positions held by layer {args.layer} at each step; reads green if held, red if lost")
-    print(draw(panels, item, args.layer, title, out))
+    for path in draw(panels, item, args.layer, title, out):
+        print(path)
     return 0
 
 

@@ -1,9 +1,11 @@
 """Figures from run directories: the paper's budget sweep, speed per budget, output lengths,
-accuracy across model sizes (the paper's Figure 4), and teacher-forced fidelity.
+accuracy across model sizes (the paper's Figure 4), teacher-forced fidelity, and where each method
+wins (a method x dataset heatmap per budget).
 
     python -m evals.figures [--runs results/runs | --sweep DIR ...] [--out results/] [--model M ...]
                             [--method M ...] [--budget N ...] [--dataset D ...] [--limit N ...]
-                            [--generation G] [--only sweep|lengths|sizes|fidelity]
+                            [--generation G] [--only sweep|lengths|sizes|fidelity|heatmap]
+                            [--metric M] [--bootstrap B] [--recall FILE.csv]
 
 `sweep` (drawn by default): with several KV budgets, `accuracy_vs_budget.png` (one panel per model
 and item set, one line per method, FullKV as a dashed horizontal line), `accuracy_by_method.png` (the
@@ -24,8 +26,16 @@ axis; a figure has one legend; a panel without a FullKV run says so. Hollow mark
 runs. Runs are read, filtered and deduplicated (newest wins) as for `evals.table`
 (`evals.report.runs`); models, methods and datasets go by their display names (`evals.report.names`).
 `fidelity` (drawn by default when runs have teacher-forced records, `fidelity=true`):
-`fidelity_vs_step.png`, the running agreement with the full cache's greedy token and the running
-KL(full || method) per output step, a line per method, a row per (model, dataset, budget).
+`fidelity_vs_step.png|pdf`, the running agreement with the full cache's greedy token and the running
+KL(full || method) per output step as method x step heatmaps, a row of panels per (model, dataset,
+budget). `heatmap` (only when asked): `heatmap_<model>.png|pdf` (`evals.report.heatmap`), the table
+of `--metric` (accuracy; `--recall` for dependency recall) as a method x dataset heatmap, a panel per
+budget, the best of each column boxed and, with `--bootstrap B`, the cells that cannot be told from
+it marked.
+
+Every figure is written as PNG and PDF. A method is drawn in its family's colour, with a marker of
+its own and a line style per variant (`evals.report.palette`: AMS over X in X's colour, dashed).
+Legends sit outside the panels and the figure grows to hold them.
 
 Figures are drawn on `matplotlib.figure.Figure` with an Agg canvas, never through pyplot: no global
 state and no display needed.
@@ -47,7 +57,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from evals.metrics import FIDELITY_THRESHOLD, FIDELITY_WINDOW, trailing_mean
-from evals.report.names import model_size
+from evals.report.names import DEFAULT_VARIANT, model_size
+from evals.report.palette import Style, styles
 from evals.report.runs import REFERENCE, add_filters, items_sort_key, keep_newest, label, load
 from evals.store import FIDELITY, GENERATIONS, in_scope, peek_records, planned_items
 from longflow.errors import UserError, report
@@ -102,17 +113,21 @@ def panel_order(runs: pd.DataFrame) -> list[str]:
     return sorted(order, key=order.get)
 
 
+def series_styles(runs: pd.DataFrame) -> dict[str, Style]:
+    """A fixed style per series (`evals.report.palette`: a colour per method family, a line style
+    per variant), in table order, so every figure of a call agrees; the full cache in
+    `REFERENCE_COLOR`."""
+    modes = runs["budget_mode"] if "budget_mode" in runs else pd.Series(None, index=runs.index, dtype=object)
+    variants = runs["variant"] if "variant" in runs else pd.Series(DEFAULT_VARIANT, index=runs.index)
+    keys = zip(runs["series"], runs["method"], variants, modes, strict=True)
+    found = styles([(s, m, v, b if isinstance(b, str) else None) for s, m, v, b in keys])
+    return {s: Style(REFERENCE_COLOR, style.linestyle, style.marker) if s in set(
+        runs.loc[runs["method"] == REFERENCE, "series"]) else style for s, style in found.items()}
+
+
 def colors(runs: pd.DataFrame) -> dict[str, str]:
-    """A fixed colour per series, in table order, so every figure of a call agrees."""
-    compressed = list(runs.loc[runs["method"] != REFERENCE, "series"].drop_duplicates())
-    if len(compressed) <= 10:
-        mapping = {s: f"C{i}" for i, s in enumerate(compressed)}
-    else:  # matplotlib's default cycle has 10 colours: beyond that, 20 distinct ones (then they repeat)
-        tab20 = matplotlib.colormaps["tab20"].colors  # hue pairs (dark, light): the dark ones first
-        palette = [matplotlib.colors.to_hex(c) for c in tab20[0::2] + tab20[1::2]]
-        mapping = {s: palette[i % 20] for i, s in enumerate(compressed)}
-    mapping.update({s: REFERENCE_COLOR for s in runs.loc[runs["method"] == REFERENCE, "series"].unique()})
-    return mapping
+    """The colour of each series' style (`series_styles`): for bars and violins, which have no line."""
+    return {series: style.color for series, style in series_styles(runs).items()}
 
 
 def new_figure(rows: int, columns: int, sharey: bool = False) -> tuple[Figure, list[list]]:
@@ -121,7 +136,7 @@ def new_figure(rows: int, columns: int, sharey: bool = False) -> tuple[Figure, l
     return figure, figure.subplots(rows, columns, squeeze=False, sharey=sharey)
 
 
-def draw_lines(ax, data: pd.DataFrame, column: str, palette: dict[str, str], error: str | None = None) -> None:
+def draw_lines(ax, data: pd.DataFrame, column: str, palette: dict[str, Style], error: str | None = None) -> None:
     """One line per series over budget; the full cache as a dashed horizontal line; hollow markers
     for incomplete runs. With `error` (a column of standard errors), error bars on the lines and a
     band around the full cache's; and a note in the panel when it has no full-cache run."""
@@ -132,7 +147,8 @@ def draw_lines(ax, data: pd.DataFrame, column: str, palette: dict[str, str], err
         points = points.dropna(subset=[column])
         if points.empty:
             continue
-        color = palette[series]
+        style = palette[series]
+        color = style.color
         if (points["method"] == REFERENCE).all():
             level = points[column].mean()
             ax.axhline(level, color=color, linestyle="--", linewidth=1.2, label=series)
@@ -142,14 +158,15 @@ def draw_lines(ax, data: pd.DataFrame, column: str, palette: dict[str, str], err
             continue
         points = points.dropna(subset=["budget"]).sort_values("budget")
         budgets = points["budget"].astype(float)
+        look = {"marker": style.marker or "o", "linestyle": style.linestyle, "color": color, "label": series}
         if error is None:
-            ax.plot(budgets, points[column], marker="o", color=color, label=series)
+            ax.plot(budgets, points[column], **look)
         else:
-            ax.errorbar(budgets, points[column], yerr=points[error].fillna(0.0).to_numpy(), marker="o",
-                        color=color, label=series, capsize=2.5, elinewidth=0.9)
+            ax.errorbar(budgets, points[column], yerr=points[error].fillna(0.0).to_numpy(), capsize=2.5,
+                        elinewidth=0.9, **look)
         partial = ~points["complete"].to_numpy()
         if partial.any():
-            ax.plot(budgets[partial], points[column][partial], linestyle="none", marker="o",
+            ax.plot(budgets[partial], points[column][partial], linestyle="none", marker=style.marker or "o",
                     markerfacecolor="white", color=color)
     budgets = sorted(data["budget"].dropna().astype(int).unique())
     if budgets:
@@ -162,6 +179,7 @@ def draw_lines(ax, data: pd.DataFrame, column: str, palette: dict[str, str], err
 
 LEGEND_ROWS = 12
 LEGEND_COLUMN_INCHES = 2.4
+LEGEND_BELOW_COLUMNS = 7
 
 
 def add_legend(figure: Figure, runs: pd.DataFrame, bars: bool = False, below: bool = False,
@@ -185,24 +203,43 @@ def add_legend(figure: Figure, runs: pd.DataFrame, bars: bool = False, below: bo
         hollow = Line2D([], [], linestyle="none", marker="o", color="0.4", markerfacecolor="white")
         handles["incomplete run"] = Patch(facecolor="white", edgecolor="0.4", hatch=HATCH) if bars else hollow
         labels.append("incomplete run")
-    # Beside the panels, a column holds LEGEND_ROWS entries: a taller one would run off the figure.
-    where = ({"loc": "outside lower center", "ncols": min(len(labels), 7)} if below
-             else {"loc": "outside right upper", "ncols": -(-len(labels) // LEGEND_ROWS)})
-    if not below:  # each further column widens the figure, so the panels keep their width
-        figure.set_figwidth(figure.get_figwidth() + LEGEND_COLUMN_INCHES * (where["ncols"] - 1))
-    figure.legend([handles[t] for t in labels], labels, frameon=False, **where)
+    entries = [handles[t] for t in labels]
+    if below:
+        legend_below(figure, entries, labels)
+        return
+    # Beside the panels, a column holds LEGEND_ROWS entries: a taller one would run off the figure;
+    # each further column widens the figure, so the panels keep their width.
+    columns = -(-len(labels) // LEGEND_ROWS)
+    figure.set_figwidth(figure.get_figwidth() + LEGEND_COLUMN_INCHES * (columns - 1))
+    figure.legend(entries, labels, frameon=False, loc="outside right upper", ncols=columns)
 
 
-def save(figure: Figure, path: Path) -> Path:
+def legend_below(figure: Figure, handles: list, labels: list[str]) -> None:
+    """A legend under the panels in as many columns as fit the figure's width (at most
+    `LEGEND_BELOW_COLUMNS`), the figure made taller by the legend's height so the panels keep theirs."""
+    renderer = figure.canvas.get_renderer()
+    for columns in range(min(len(labels), LEGEND_BELOW_COLUMNS), 0, -1):
+        legend = figure.legend(handles, labels, frameon=False, loc="outside lower center", ncols=columns)
+        extent = legend.get_window_extent(renderer)
+        if extent.width <= figure.bbox.width or columns == 1:
+            break
+        legend.remove()
+    figure.set_figheight(figure.get_figheight() + extent.height / figure.dpi)
+
+
+def save(figure: Figure, path: Path) -> list[Path]:
+    """`path` (a PNG, 150 dpi) and the same figure as a PDF beside it, without a creation date (a
+    redrawn figure is the same file); returns both paths."""
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=150)
-    return path
+    figure.savefig(path.with_suffix(".pdf"), metadata={"CreationDate": None})
+    return [path, path.with_suffix(".pdf")]
 
 
-def plot_accuracy(runs: pd.DataFrame, out_dir: Path) -> Path:
+def plot_accuracy(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     """Accuracy vs KV budget: a panel per (model, item set), a line per method, one y axis."""
     models, panels = runs["model"].unique(), panel_order(runs)
-    palette = colors(runs)
+    palette = series_styles(runs)
     figure, axes = new_figure(len(models), len(panels), sharey=True)
     for i, model in enumerate(models):
         for j, items in enumerate(panels):
@@ -216,7 +253,7 @@ def plot_accuracy(runs: pd.DataFrame, out_dir: Path) -> Path:
     return save(figure, out_dir / "accuracy_vs_budget.png")
 
 
-def plot_accuracy_by_method(runs: pd.DataFrame, out_dir: Path) -> Path:
+def plot_accuracy_by_method(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     """Accuracy vs KV budget, one panel per compressed method and (model, item set), each with the
     full cache as its reference line: one method's curve read alone, on a shared y axis. Panels wrap
     at `BY_METHOD_COLUMNS` per row; each is titled by its method, so the legend names only FullKV."""
@@ -226,7 +263,7 @@ def plot_accuracy_by_method(runs: pd.DataFrame, out_dir: Path) -> Path:
     methods = list(runs.loc[runs["method"] != REFERENCE, "series"].drop_duplicates())
     panels = [(cell, series) for cell in cells for series in methods]
     columns = min(BY_METHOD_COLUMNS, len(panels))
-    palette = colors(runs)
+    palette = series_styles(runs)
     figure, axes = new_figure(-(-len(panels) // columns), columns, sharey=True)
     for index, ((model, items), series) in enumerate(panels):
         ax = axes[index // columns][index % columns]
@@ -243,10 +280,10 @@ def plot_accuracy_by_method(runs: pd.DataFrame, out_dir: Path) -> Path:
     return save(figure, out_dir / "accuracy_by_method.png")
 
 
-def plot_throughput(runs: pd.DataFrame, out_dir: Path) -> Path:
+def plot_throughput(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     """Tokens/s and decode-step latency p50 vs KV budget, per model, means over the datasets."""
     models = runs["model"].unique()
-    palette = colors(runs)
+    palette = series_styles(runs)
     means = (runs.groupby(["model", "series", "budget_label"], sort=False)
              .agg(method=("method", "first"), budget=("budget", "first"), complete=("complete", "all"),
                   tokens_per_second=("tokens_per_second", "mean"), latency=(LATENCY, "mean"))
@@ -264,7 +301,7 @@ def plot_throughput(runs: pd.DataFrame, out_dir: Path) -> Path:
     return save(figure, out_dir / "throughput_vs_budget.png")
 
 
-def plot_methods(runs: pd.DataFrame, out_dir: Path) -> Path:
+def plot_methods(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     """One budget: accuracy bars per item set and method (error bars: one standard error), and tokens/s
     per method (mean over datasets); the accuracy panels of the models share their y axis."""
     models, panels = runs["model"].unique(), panel_order(runs)
@@ -309,9 +346,9 @@ def plot_budget_sweep(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
     runs, out_dir = prepare(runs), Path(out_dir)
     budgets = runs.loc[runs["method"] != REFERENCE, "budget"].dropna().unique()
     if len(budgets) <= 1:
-        return [plot_methods(runs, out_dir)]
-    return [plot_accuracy(runs, out_dir), plot_accuracy_by_method(runs, out_dir), *plot_budget_grid(runs, out_dir),
-            plot_throughput(runs, out_dir)]
+        return plot_methods(runs, out_dir)
+    return [*plot_accuracy(runs, out_dir), *plot_accuracy_by_method(runs, out_dir), *plot_budget_grid(runs, out_dir),
+            *plot_throughput(runs, out_dir)]
 
 
 # --- figures for a paper: text width, small type, PNG and PDF -------------------------------------
@@ -378,7 +415,7 @@ def plot_budget_grid(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     datasets or more) one for the average over them, a line per method over KV budget, FullKV
     dashed, one y axis."""
     paths = []
-    palette = colors(runs)
+    palette = series_styles(runs)
     for model, data in runs.groupby("model_label", sort=True):
         panels = panel_order(data)
         if averaged(data):
@@ -403,6 +440,9 @@ def file_name(text: str) -> str:
     return "".join(char if char.isalnum() or char in "-." else "_" for char in text)
 
 
+VIOLINS_PER_HALF_WIDTH = 10  # more methods than this and their names overlap on half the text width
+
+
 def output_lengths(run: Path) -> list[int]:
     """The output lengths (tokens) of a run's stored samples, of the items its config covers."""
     return [record["output_tokens"] for record in in_scope(peek_records(run / GENERATIONS), planned_items(run))]
@@ -421,7 +461,9 @@ def plot_output_lengths(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
         reference = data[data["method"] == REFERENCE]
         budgets = [b for b in data.sort_values("budget_rank")["budget_label"].unique() if b != "-"] or ["-"]
         with matplotlib.rc_context(PAPER_STYLE):
-            figure, axes = paper_figure(len(budgets), "", "output length (tokens)", columns=2, panel_height=2.2)
+            crowded = data["series"].nunique() > VIOLINS_PER_HALF_WIDTH  # a panel of the full width each
+            figure, axes = paper_figure(len(budgets), "", "output length (tokens)", columns=1 if crowded else 2,
+                                        panel_height=2.2)
             for ax, budget in zip(axes, budgets, strict=True):
                 cell = pd.concat([reference, data[(data["budget_label"] == budget) & (data["method"] != REFERENCE)]])
                 series = [s for s in cell["series"].drop_duplicates()
@@ -436,7 +478,8 @@ def plot_output_lengths(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
                     body.set_facecolor(palette[name])
                     body.set_alpha(0.6)
                 parts["cmedians"].set_color("0.1")
-                ax.set_xticks(range(1, len(series) + 1), series, rotation=30, ha="right")
+                ax.set_xticks(range(1, len(series) + 1), series, rotation=45 if crowded else 30, ha="right",
+                              rotation_mode="anchor")
                 ax.set_title("full cache only" if budget == "-" else f"KV budget {budget}")
                 ax.grid(axis="y", alpha=0.3)
             datasets = data["dataset_label"].unique()
@@ -462,22 +505,24 @@ def plot_model_sizes(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
     if averaged(runs):
         runs = with_average(runs, ["series", "model", "x"])
         panels.append(AVERAGE)
-    palette = colors(runs)
+    palette = series_styles(runs)
     with matplotlib.rc_context(PAPER_STYLE):
         figure, axes = paper_figure(len(panels), "", "accuracy (%)", sharey=True)
         for ax, items in zip(axes, panels, strict=True):
             cell = runs[runs["items"] == items]
             for series, points in cell.groupby("series", sort=False):
                 points = points.dropna(subset=["accuracy"]).sort_values("x")
+                style = palette[series]
                 if (points["method"] == REFERENCE).all():
-                    ax.plot(points["x"], points["accuracy"], color=palette[series], label=series, linestyle="--")
+                    ax.plot(points["x"], points["accuracy"], color=style.color, label=series, linestyle="--")
                 else:
                     ax.errorbar(points["x"], points["accuracy"], yerr=points[ERROR].fillna(0.0).to_numpy(),
-                                color=palette[series], label=series, marker="o", capsize=2, elinewidth=0.8)
+                                color=style.color, label=series, marker=style.marker or "o",
+                                linestyle=style.linestyle, capsize=2, elinewidth=0.8)
                 hollow = ~points["complete"].astype(bool).to_numpy()
                 if hollow.any():
-                    ax.plot(points["x"][hollow], points["accuracy"][hollow], linestyle="none", marker="o",
-                            markerfacecolor="white", color=palette[series])
+                    ax.plot(points["x"][hollow], points["accuracy"][hollow], linestyle="none",
+                            marker=style.marker or "o", markerfacecolor="white", color=style.color)
             ax.set_xticks(range(len(models)), [label_of(runs, m) for m in models], rotation=30, ha="right")
             ax.set_xlim(-0.3, len(models) - 0.7)
             ax.set_title(items)
@@ -493,41 +538,89 @@ def label_of(runs: pd.DataFrame, model: str) -> str:
     return runs.loc[runs["model"] == model, "model_label"].dropna().iloc[0]
 
 
-FIGURES = ("sweep", "lengths", "sizes", "fidelity", "acceptance")
+FIGURES = ("sweep", "lengths", "sizes", "fidelity", "acceptance", "heatmap")
 
 
-def plot_fidelity(runs: pd.DataFrame, out_dir: Path | str) -> Path:
-    """Running agreement and running KL vs output step (`evals.metrics.trailing_mean`), from the
-    fidelity.jsonl of `collect`'s runs that have one: a row per (model, item set, budget), a line per method."""
+AGREEMENT_RANGE = (50.0, 100.0)  # % top-1 agreement: below half, a method has lost the thread anyway
+KL_FLOOR = 1e-3  # nats: smaller running KL is drawn as this (a log scale has no 0)
+ROW_INCHES = 0.22  # per method row of a heatmap
+DIVERGENCE_COLOR = "red"  # stands out on both colour maps
+
+
+def fidelity_curves(runs: pd.DataFrame, key: str) -> tuple[list[str], np.ndarray]:
+    """The series of `runs` (one (model, item set, budget) cell, in table order) and `[series,
+    steps]` running means of `key` per output step (`trailing_mean`), NaN past a series' last step."""
+    curves = [trailing_mean(peek_records(Path(path) / FIDELITY), key) for path in runs["path"]]
+    steps = max(len(curve) for curve in curves)
+    grid = np.full((len(curves), steps), np.nan)
+    for row, curve in enumerate(curves):
+        grid[row, :len(curve)] = curve
+    return list(runs["series"]), grid
+
+
+def divergence_steps(agreement: np.ndarray) -> list[float]:
+    """Per row of running agreement (a fraction, `[series, steps]`), the first step below
+    `FIDELITY_THRESHOLD`, NaN when it never falls below."""
+    below = agreement < FIDELITY_THRESHOLD
+    return [float(np.argmax(row)) if row.any() else float("nan") for row in below]
+
+
+def plot_fidelity(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
+    """Running agreement and running KL per output step (`evals.metrics.trailing_mean`) as method x
+    step heatmaps, from the fidelity.jsonl of `collect`'s runs that have one: a row of two panels per
+    (model, item set, budget), a heatmap row per method, a tick where its agreement first falls below
+    `FIDELITY_THRESHOLD` (the divergence step). Twenty lines on one axis cannot be told apart; rows
+    can."""
     runs = prepare(runs)
     runs = runs[[(Path(path) / FIDELITY).exists() for path in runs["path"]]]
     if runs.empty:
         raise UserError(f"no selected run has {FIDELITY} (run evals.run with fidelity=true)")
-    palette = colors(runs)
     cells = list(runs.groupby(["model", "items", "budget_rank", "budget_label"], sort=False).groups)
     order = panel_order(runs)
     cells.sort(key=lambda cell: (cell[0], order.index(cell[1]), cell[2]))
-    figure, axes = new_figure(len(cells), 2)
+    heights = [max(1.6, ROW_INCHES * len(runs[(runs["model"] == m) & (runs["items"] == i) & (runs["budget_rank"] == r)])
+                   + 0.9) for m, i, r, _ in cells]
+    figure = Figure(figsize=(2 * PANEL[0] + 2.2, sum(heights)), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(len(cells), 2, squeeze=False, gridspec_kw={"height_ratios": heights})
+    agreement_map, kl_map = None, None
     for row, (model, dataset, rank, budget) in enumerate(cells):
         cell = runs[(runs["model"] == model) & (runs["items"] == dataset) & (runs["budget_rank"] == rank)]
-        for _, run in cell.iterrows():
-            records = peek_records(Path(run["path"]) / FIDELITY)
-            for ax, key in zip(axes[row], ("agreement", "kl"), strict=True):
-                curve = trailing_mean(records, key)
-                ax.plot(range(len(curve)), curve * (100.0 if key == "agreement" else 1.0), color=palette[run["series"]],
-                        label=run["series"])
-        agreement, kl = axes[row]
-        agreement.axhline(FIDELITY_THRESHOLD * 100.0, color=REFERENCE_COLOR, linestyle=":", linewidth=1.0)
-        agreement.set_ylim(0, 101)
-        agreement.set_ylabel("top-1 agreement (%)")
-        kl.set_yscale("symlog", linthresh=1e-3)
-        kl.set_ylabel("KL(full || method), nats")
-        for ax, what in ((agreement, "agreement"), (kl, "KL")):
-            ax.set_title(f"{model}: {dataset}, budget {budget}: {what}", fontsize=10)
+        series, agreement = fidelity_curves(cell, "agreement")
+        _, kl = fidelity_curves(cell, "kl")
+        extent = (-0.5, agreement.shape[1] - 0.5, len(series) - 0.5, -0.5)
+        left, right = axes[row]
+        agreement_map = left.imshow(agreement * 100.0, aspect="auto", interpolation="nearest", cmap="viridis",
+                                    vmin=AGREEMENT_RANGE[0], vmax=AGREEMENT_RANGE[1], extent=extent)
+        kl_map = right.imshow(np.clip(kl, KL_FLOOR, None), aspect="auto", interpolation="nearest", cmap="magma_r",
+                              norm=matplotlib.colors.LogNorm(vmin=KL_FLOOR, vmax=max(1.0, np.nanmax(kl))),
+                              extent=extent)
+        steps = divergence_steps(agreement)
+        for ax in (left, right):
+            ax.plot(steps, range(len(series)), linestyle="none", marker="|", markersize=9, color=DIVERGENCE_COLOR,
+                    markeredgewidth=1.5)
+            ax.set_yticks(range(len(series)), series if ax is left else [""] * len(series))
             ax.set_xlabel(f"output step (mean over the last {FIDELITY_WINDOW})")
-            ax.grid(alpha=0.3)
-    add_legend(figure, runs.assign(complete=True))
+        left.set_title(f"{label_of(runs, model)}: {dataset}, budget {budget}: top-1 agreement (%)", fontsize=10)
+        right.set_title(f"budget {budget}: KL(full || method), nats", fontsize=10)
+    figure.colorbar(agreement_map, ax=axes[:, 0].tolist(), label="top-1 agreement (%)", shrink=0.8)
+    figure.colorbar(kl_map, ax=axes[:, 1].tolist(), label="KL(full || method), nats", shrink=0.8)
+    marker = Line2D([], [], linestyle="none", marker="|", markersize=9, color=DIVERGENCE_COLOR, markeredgewidth=1.5)
+    figure.legend([marker], [f"first step below {FIDELITY_THRESHOLD:.0%} agreement"], loc="outside lower center",
+                  frameon=False)
     return save(figure, Path(out_dir) / "fidelity_vs_step.png")
+
+
+def plot_table_heatmap(args: argparse.Namespace) -> list[Path]:
+    """`evals.report.heatmap` of the table that `evals.report.table` builds from the same arguments."""
+    # Imported here: the heatmap draws with this module's helpers, so it imports this module.
+    from evals.report.heatmap import plot_heatmap
+    from evals.report.stats import BootstrapConfig
+    from evals.report.table import build_table, load_recall
+
+    runs = load(args) if args.recall is None else load_recall(args)
+    bootstrap = None if args.bootstrap is None else BootstrapConfig(resamples=args.bootstrap)
+    return plot_heatmap(build_table(runs, args.metric, bootstrap=bootstrap), args.out)
 
 
 def has_fidelity(runs: pd.DataFrame) -> bool:
@@ -538,7 +631,7 @@ def has_verify(runs: pd.DataFrame) -> bool:
     return "verify" in runs and bool((runs["verify"] == "vericache").any())
 
 
-def plot_acceptance(runs: pd.DataFrame, out_dir: Path | str) -> Path:
+def plot_acceptance(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
     """VeriCache's acceptance against the KV budget: the drafts accepted per verify round
     (`accepted_per_round`), a line per drafting method, a panel per (model, item set), the horizon as
     a dotted line. Only the runs with `verify=vericache`."""
@@ -547,7 +640,7 @@ def plot_acceptance(runs: pd.DataFrame, out_dir: Path | str) -> Path:
     runs = prepare(runs[runs["verify"] == "vericache"])
     runs["accepted_per_round"] = pd.to_numeric(runs["accepted_per_round"], errors="coerce")
     cells = list(runs[["model", "items"]].drop_duplicates().itertuples(index=False, name=None))
-    palette = colors(runs)
+    palette = series_styles(runs)
     figure, axes = new_figure(1, len(cells), sharey=True)
     for ax, (model, items) in zip(axes[0], cells, strict=True):
         draw_lines(ax, runs[(runs["model"] == model) & (runs["items"] == items)], "accepted_per_round", palette)
@@ -559,25 +652,35 @@ def plot_acceptance(runs: pd.DataFrame, out_dir: Path | str) -> Path:
     add_legend(figure, runs)
     return save(figure, Path(out_dir) / "vericache_acceptance.png")
 
+def plot_runs(runs: pd.DataFrame, args: argparse.Namespace) -> list[Path]:
+    """The figures `--only` asks for (all but sizes and heatmap by default) of the loaded runs."""
+    paths = []
+    if args.only in (None, "sweep"):
+        paths += plot_budget_sweep(runs, args.out)
+    if args.only in (None, "lengths"):
+        paths += plot_output_lengths(prepare(runs), args.out)
+    if args.only == "sizes":
+        paths += plot_model_sizes(runs, args.out)
+    if args.only in (None, "fidelity") and has_fidelity(runs):
+        paths += plot_fidelity(runs, args.out)
+    if args.only in (None, "acceptance") and has_verify(runs):
+        paths += plot_acceptance(runs, args.out)
+    return paths
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evals.figures", description=__doc__.splitlines()[0])
     add_filters(parser)
     parser.add_argument("--out", type=Path, default=Path("results"), help="folder for the figures")
-    parser.add_argument("--only", choices=FIGURES, help="draw only this figure (default: all but sizes)")
+    parser.add_argument("--only", choices=FIGURES, help="draw only this figure (default: all but sizes and heatmap)")
+    parser.add_argument("--metric", default="accuracy", help="the heatmap's metric (a table metric)")
+    parser.add_argument("--bootstrap", type=int, metavar="B",
+                        help="the heatmap marks the cells that cannot be told from the best (B resamples)")
+    parser.add_argument("--recall", type=Path, nargs="+", metavar="FILE.csv",
+                        help="the heatmap of evals.canary.recall's CSV (--metric recall_layers, ...)")
     args = parser.parse_args(argv)
     try:
-        runs, paths = load(args), []
-        if args.only in (None, "sweep"):
-            paths += plot_budget_sweep(runs, args.out)
-        if args.only in (None, "lengths"):
-            paths += plot_output_lengths(prepare(runs), args.out)
-        if args.only == "sizes":
-            paths += plot_model_sizes(runs, args.out)
-        if args.only in (None, "fidelity") and has_fidelity(runs):
-            paths.append(plot_fidelity(runs, args.out))
-        if args.only in (None, "acceptance") and has_verify(runs):
-            paths.append(plot_acceptance(runs, args.out))
+        paths = plot_table_heatmap(args) if args.only == "heatmap" else plot_runs(load(args), args)
     except UserError as error:
         return report(error)
     for path in paths:

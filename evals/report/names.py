@@ -12,8 +12,12 @@ DATASET_NAMES = {
     "gpqa_diamond": "GPQA", "gsm8k": "GSM8K", "math500": "MATH-500", "math-500": "MATH-500",
     "math_500": "MATH-500", "minerva": "Minerva", "minerva_math": "Minerva", "olympiad": "OlympiadBench",
     "olympiadbench": "OlympiadBench",
+    # The canary suite's families (evals.canary.families), in its order.
+    "canary_state": "state", "canary_lookup": "lookup", "canary_plan": "plan", "canary_redundant": "redundant",
+    "canary_chain": "chain",
 }
-DATASET_ORDER = ["AIME24", "AIME25", "AMC", "GPQA", "GSM8K", "MATH-500", "Minerva", "OlympiadBench"]
+DATASET_ORDER = ["AIME24", "AIME25", "AMC", "GPQA", "GSM8K", "MATH-500", "Minerva", "OlympiadBench",
+                 "state", "lookup", "plan", "redundant", "chain"]
 # Method config names -> display names, in the table's row order (the LongFlow paper's methods, then
 # the later ones, LongFlow last); a method not listed here shows its config name, after all of these.
 METHOD_NAMES = {"vanilla": "FullKV", "streaming": "StreamingLLM", "h2o": "H2O", "vatp": "VATP",

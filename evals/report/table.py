@@ -3,6 +3,7 @@
     python -m evals.table [--runs results/runs | --sweep DIR ...] [--out results/table1]
                           [--model M ...] [--method M ...] [--budget N ...] [--dataset D ...]
                           [--limit N ...] [--generation G] [--metric accuracy] [--stderr]
+                          [--bootstrap B] [--paired-against fullkv|best] [--recall FILE.csv ...]
                           [--caption TEXT] [--label tab:x] [--wide]
 
 Reads every `metrics.json` under the runs folder, or exactly the runs of a sweep (`--sweep`, its
@@ -23,6 +24,19 @@ Accuracy is shown in percent with one decimal. `--stderr` adds each cell's stand
 (`evals.metrics.accuracy_stderr`; for Avg., that of the mean of independent datasets, when every
 cell of the row has one).
 
+`--bootstrap B` compares runs item by item (`evals.report.stats`): for every compressed cell, the
+95% paired bootstrap interval (B resamples of the items, seeded) of its difference from FullKV over
+the same items, and of its difference from the best method of its budget and column. A `*` marks a
+cell whose difference from FullKV excludes 0, a `≈` a cell that cannot be told from the best (its
+interval includes 0); a line under the table says so. `--paired-against fullkv|best` also writes
+that interval in each cell; the CSV has both intervals as columns. The per-item numbers come from
+each run's generations.jsonl (accuracy) or from the recall file's JSON (recall metrics).
+
+`--metric recall_layers` (or `recall_layer0`, `complete_items`) tabulates the dependency recall of
+`evals.canary.recall` from its CSVs (`--recall results/canary_suite/recall/*.csv`, each `.json` beside
+it for the bootstrap; `evals.report.recall_runs`), a cell per method, family and budget; without
+`--recall` the runs' own metrics.json are read for that key.
+
 A method variant other than "paper" is part of the method's name ("H2O (lf_repo)"); a generation
 config becomes a row key ("Gen.") only when the selected runs have more than one. Where a method has
 runs in both variants ("paper", its own paper's implementation, and "lf_repo", the LongFlow authors'),
@@ -39,21 +53,34 @@ from pathlib import Path
 import pandas as pd
 
 from evals.report.names import DEFAULT_VARIANT, METHOD_NAMES
-from evals.report.runs import REFERENCE, add_filters, items_sort_key, keep_newest, label, load
+from evals.report.recall_runs import RECALL_METRICS, recall_frame
+from evals.report.runs import REFERENCE, add_filters, items_sort_key, keep_newest, label, load, select
+from evals.report.significance import Comparisons, compare
+from evals.report.stats import BootstrapConfig, Difference, ItemScores, run_accuracy_scores
 from longflow.errors import UserError, report
 
 AUTHORS_VARIANT = "lf_repo"  # the LongFlow authors' implementation of a baseline
-PERCENT_PREFIXES = ("accuracy", "pass_at_k", "fidelity.agreement")  # fractions, shown in percent
+# Fractions, shown in percent.
+PERCENT_PREFIXES = ("accuracy", "pass_at_k", "fidelity.agreement", "recall_", "complete_items")
 LOWER_IS_BETTER = ("latency", "ttft", "memory", "seconds", "kv_slots", "fidelity.kl")  # substrings of metric names
 AVG = "Avg."
 DAGGER = "†"
 DIRTY = "‡"
+DIFFERS = "*"  # the interval of the difference from FullKV excludes 0
+NEAR_BEST = "≈"  # the interval of the difference from the best method includes 0
+MARKDOWN_MARKS = {DIFFERS: r"\*"}  # a bare * next to ** bold would be read as emphasis
+LATEX_MARKS = {DIFFERS: r"$^{*}$", NEAR_BEST: r"$^{\approx}$"}
+PAIRED_AGAINST = ("fullkv", "best")
 LATEX_SPECIAL = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
                  "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}",
-                 "Δ": r"$\Delta$", "−": r"$-$", "±": r"$\pm$", "†": r"$^\dagger$", "‡": r"$^\ddagger$"}
+                 "Δ": r"$\Delta$", "−": r"$-$", "±": r"$\pm$", "†": r"$^\dagger$", "‡": r"$^\ddagger$",
+                 "≈": r"$\approx$"}
 ROW_KEYS = {"model_label": "Model", "budget_label": "Budget", "method_label": "Method", "generation": "Gen."}
 METRIC_TITLES = {"accuracy": "Accuracy (%)", "tokens_per_second": "Throughput (tokens/s)",
-                 "peak_kv_slots": "Peak KV slots", "mean_output_tokens": "Mean output length (tokens)"}
+                 "peak_kv_slots": "Peak KV slots", "mean_output_tokens": "Mean output length (tokens)",
+                 "recall_layers": "Dependency recall, all layers (%)",
+                 "recall_layer0": "Dependency recall, layer 0 (%)",
+                 "complete_items": "Items with every read held (%)"}
 BOLD_NOTE = ("bold: the best compressed method of its budget and column, among finished runs over the "
              "same items (a † cell covers fewer, and an Avg. over fewer columns is not compared)")
 
@@ -82,6 +109,23 @@ class Table:
     footnotes: list[str]  # one line for the partial cells, one for the dirty ones, when there are any
     notes: list[str]  # what bold compares, missing FullKV runs, subsets, duplicates that were dropped
     decimals: int
+    comparisons: Comparisons | None = None  # paired bootstrap intervals (--bootstrap)
+    paired_against: str | None = None  # "fullkv" | "best": whose interval each cell writes
+
+    def interval(self, row: int, column: int) -> Difference | None:
+        """The interval a cell writes (`paired_against`), or None."""
+        if self.comparisons is None or self.paired_against is None:
+            return None
+        frame = self.comparisons.vs_reference if self.paired_against == "fullkv" else self.comparisons.vs_best
+        found = frame.iat[row, column]
+        return found if isinstance(found, Difference) else None
+
+    def significance(self, row: int, column: int) -> str:
+        """The cell's bootstrap marks: `DIFFERS`, `NEAR_BEST`, both or none."""
+        if self.comparisons is None:
+            return ""
+        return ((DIFFERS if self.comparisons.differs.iat[row, column] else "")
+                + (NEAR_BEST if self.comparisons.near_best.iat[row, column] else ""))
 
     def display(self, markup: str) -> pd.DataFrame:
         """Cells as text, `markup` "markdown" or "latex"; missing cells are "-"."""
@@ -92,14 +136,18 @@ class Table:
             text = f"{value:+.{self.decimals}f}" if self.delta.iat[row] else f"{value:.{self.decimals}f}"
             error = None if self.stderr is None else self.stderr.iat[row, column]
             marks = ((DAGGER if self.partial.iat[row, column] else "")
-                     + (DIRTY if self.dirty.iat[row, column] else ""))
+                     + (DIRTY if self.dirty.iat[row, column] else "") + self.significance(row, column))
+            span = self.interval(row, column)
+            span = None if span is None else f"[{span.low:+.{self.decimals}f}, {span.high:+.{self.decimals}f}]"
             if markup == "latex":
                 text = rf"\textbf{{{text}}}" if self.bold.iat[row, column] else text
                 text += "" if error is None or pd.isna(error) else rf"{{\scriptsize $\pm${error:.{self.decimals}f}}}"
-                return text + "".join(LATEX_SPECIAL[mark] for mark in marks)
+                text += "".join(LATEX_MARKS.get(mark) or LATEX_SPECIAL[mark] for mark in marks)
+                return text + ("" if span is None else rf" {{\scriptsize {span}}}")
             text = f"**{text}**" if self.bold.iat[row, column] else text
             text += "" if error is None or pd.isna(error) else f" ± {error:.{self.decimals}f}"
-            return text + marks
+            text += "".join(MARKDOWN_MARKS.get(mark, mark) for mark in marks)
+            return text + ("" if span is None else f" {span}")
 
         frame = self.values.astype(object)
         for row, column in ((r, c) for r in range(frame.shape[0]) for c in range(frame.shape[1])):
@@ -112,10 +160,15 @@ class Table:
 
 
 def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | None = None,
-                stderr: bool = False) -> Table:
-    """Table 1 from `evals.report.runs.collect`'s frame (already `select`ed). Raises UserError when
-    it is empty, no run has a number for `metric`, or `stderr` is asked for a metric other than
-    accuracy."""
+                stderr: bool = False, bootstrap: BootstrapConfig | None = None,
+                paired_against: str | None = None) -> Table:
+    """Table 1 from `evals.report.runs.collect`'s frame (already `select`ed; or `recall_frame`'s).
+    With `bootstrap`, every compressed cell compared with FullKV and with the best of its block
+    (`evals.report.significance`), from the frame's `item_scores` column when it has one, else (for
+    accuracy) each run's generations.jsonl; `paired_against` ("fullkv" or "best") writes one of the
+    intervals in each cell. Raises UserError when it is empty, no run has a number for `metric`,
+    `stderr` is asked for a metric other than accuracy, or `bootstrap` for a metric without
+    per-item numbers."""
     if runs.empty:
         raise UserError("no runs to tabulate (check --runs or --sweep, and the filters)")
     if metric not in runs:
@@ -123,6 +176,11 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
         raise UserError(f"unknown metric {metric!r}; the runs have {', '.join(numeric)}")
     if stderr and metric != "accuracy":
         raise UserError(f"--stderr is for --metric accuracy, not {metric!r}")
+    if bootstrap is not None and metric != "accuracy" and "item_scores" not in runs:
+        raise UserError(f"--bootstrap needs per-item numbers: --metric accuracy, or a recall metric with --recall, "
+                        f"not {metric!r}")
+    if paired_against is not None and (bootstrap is None or paired_against not in PAIRED_AGAINST):
+        raise UserError(f"--paired-against takes {' or '.join(PAIRED_AGAINST)}, with --bootstrap")
     value = pd.to_numeric(runs[metric], errors="coerce").astype(float)
     if value.isna().all():
         raise UserError(f"no selected run has a number for {metric!r}")
@@ -173,8 +231,14 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
             errors[AVG] = ((errors**2).sum(axis=1) ** 0.5 / shown.sum(axis=1)).where(known)
     decimals = decimals if decimals is not None else (1 if is_percent(metric) else 2)
     candidate_row = ~delta & (rows["method"].reindex(values.index) != REFERENCE)
-    bold = best_in_group(values, candidates(values, partial, candidate_row, columns), decimals,
-                         lower_is_better(metric))
+    candidate = candidates(values, partial, candidate_row, columns)
+    bold = best_in_group(values, candidate, decimals, lower_is_better(metric))
+    comparisons = None
+    if bootstrap is not None:
+        scores = grid_scores(runs, row_keys, index, columns).reindex(values.index)
+        comparisons = compare(values, scores, rows["method"].reindex(values.index), candidate,
+                              AVG if averaged else None, REFERENCE, bootstrap, scale, decimals)
+        comparisons.near_best &= ~bold  # a cell tied for best is bold, not "near" it
 
     keys = row_keys[1:] if runs["model_label"].nunique() == 1 else row_keys
     footnotes = []
@@ -202,7 +266,36 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
         notes.append("a column of N of M items holds the first N of its benchmark: " + ", ".join(subsets))
     if len(columns) > 1 and not averaged:
         notes.append("no Avg.: the columns hold one dataset over different item sets")
-    return Table(metric, values, bold, partial, dirty, delta, errors, footnotes, notes + duplicates, decimals)
+    if comparisons is not None:
+        footnotes.append(bootstrap_legend(comparisons, paired_against))
+        if comparisons.missing:
+            notes.append(f"{comparisons.missing} compressed cells have no per-item records: no interval, no mark")
+    return Table(metric, values, bold, partial, dirty, delta, errors, footnotes, notes + duplicates, decimals,
+                 comparisons, paired_against)
+
+
+def grid_scores(runs: pd.DataFrame, row_keys: list[str], index: pd.MultiIndex, columns: list[str]) -> pd.DataFrame:
+    """Each cell's `ItemScores` (None where its run has no per-item records), indexed like the table
+    without its difference rows and "Avg.": the frame's `item_scores`, else each run's accuracy per
+    item (`run_accuracy_scores`, for `metric` accuracy)."""
+    scores = runs["item_scores"] if "item_scores" in runs else runs["path"].map(run_accuracy_scores)
+    cells = runs.assign(item_scores=scores.where(scores.map(lambda s: isinstance(s, ItemScores)), None))
+    wide = cells.pivot(index=row_keys, columns="items", values="item_scores")
+    wide.index.names = index.names
+    return wide.reindex(index=index, columns=columns).astype(object).where(lambda frame: frame.notna(), None)
+
+
+def bootstrap_legend(comparisons: Comparisons, paired_against: str | None) -> str:
+    """The line under a table that says what the bootstrap marks (and intervals) mean."""
+    config = comparisons.config
+    level = f"{100 * config.confidence:g}%"
+    text = (f"marks: {DIFFERS} the {level} paired bootstrap interval of the cell's difference from FullKV "
+            f"excludes 0; {NEAR_BEST} that of its difference from the best method of its budget and column (the "
+            f"highest cell) includes 0 (items paired by id, {config.resamples} resamples, seed {config.seed})")
+    if paired_against is not None:
+        whom = "FullKV" if paired_against == "fullkv" else "the best method of its budget and column"
+        text += f"; [low, high]: the interval of the cell's difference from {whom}, in the cell's unit"
+    return text
 
 
 def missing_reference(runs: pd.DataFrame, row_keys: list[str]) -> list[str]:
@@ -369,21 +462,38 @@ def render_latex(table: Table, caption: str | None = None, label: str = "tab:tab
 
 def table_csv(table: Table) -> pd.DataFrame:
     """The table as raw numbers: row keys (budget empty for the full cache), one column per item-set
-    header and Avg. at full precision, with `--stderr` a "<column> SE" column after each, and
-    `Partial` and `Dirty`: the headers of the row's incomplete cells, and of its cells made from a
-    checkout with uncommitted changes."""
+    header and Avg. at full precision, with `--stderr` a "<column> SE" column after each, with
+    `--bootstrap` the intervals after each (`interval_columns`), and `Partial` and `Dirty`: the
+    headers of the row's incomplete cells, and of its cells made from a checkout with uncommitted
+    changes."""
     flat = table.values.reset_index()
-    if table.stderr is not None:
+    if table.stderr is not None or table.comparisons is not None:
         keys = list(table.values.index.names)
         flat = flat[keys]
         for column in table.values.columns:
             flat[column] = table.values[column].to_numpy()
-            flat[f"{column} SE"] = table.stderr[column].to_numpy()
+            if table.stderr is not None:
+                flat[f"{column} SE"] = table.stderr[column].to_numpy()
+            if table.comparisons is not None:
+                for name, numbers in interval_columns(table.comparisons, column).items():
+                    flat[name] = numbers
     flat["Budget"] = pd.to_numeric(flat["Budget"].replace("-", None), errors="coerce").astype("Int64")
     columns = [c for c in table.partial.columns if c != AVG]
     for name, marks in (("Partial", table.partial), ("Dirty", table.dirty)):
         flat[name] = ["; ".join(c for c in columns if row[c]) for _, row in marks.iterrows()]
     return flat
+
+
+def interval_columns(comparisons: Comparisons, column: str) -> dict[str, list[float]]:
+    """The CSV's columns of one table column's intervals: "<column> vs FullKV" (the difference), its
+    "low" and "high", and the same "vs best"; NaN where a cell was not compared."""
+    found = {}
+    for name, frame in (("FullKV", comparisons.vs_reference), ("best", comparisons.vs_best)):
+        cells = frame[column].tolist()
+        for part in ("estimate", "low", "high"):
+            header = f"{column} vs {name}" + ("" if part == "estimate" else f" {part}")
+            found[header] = [getattr(c, part) if isinstance(c, Difference) else float("nan") for c in cells]
+    return found
 
 
 def write_table(table: Table, out: Path, caption: str | None = None, label: str = "tab:table1",
@@ -397,6 +507,16 @@ def write_table(table: Table, out: Path, caption: str | None = None, label: str 
     return paths
 
 
+def load_recall(args: argparse.Namespace) -> pd.DataFrame:
+    """The recall file's rows as runs (`recall_frame`), filtered as runs are; UserError when none is
+    left."""
+    runs = recall_frame(args.recall, args.metric)
+    runs = select(runs, args.model, args.dataset, args.generation, args.method, args.budget, args.limit)
+    if runs.empty:
+        raise UserError(f"no rows of {', '.join(map(str, args.recall))} match the filters")
+    return runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evals.table", description=__doc__.splitlines()[0])
     add_filters(parser)
@@ -406,12 +526,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="a metrics.json key, nested keys joined with dots "
                              "(tokens_per_second, step_latency_ms.p50, pass_at_k.4)")
     parser.add_argument("--stderr", action="store_true", help="each accuracy with its standard error")
+    parser.add_argument("--bootstrap", type=int, metavar="B",
+                        help="paired bootstrap intervals of B resamples (10000 is usual): marks cells that differ "
+                             "from FullKV and cells that cannot be told from the best")
+    parser.add_argument("--paired-against", choices=PAIRED_AGAINST,
+                        help="with --bootstrap: write each cell's interval of its difference from FullKV or the best")
+    parser.add_argument("--seed", type=int, default=BootstrapConfig.seed, help="the bootstrap's seed")
+    parser.add_argument("--recall", type=Path, nargs="+", metavar="FILE.csv",
+                        help="tabulate evals.canary.recall's CSVs instead of runs "
+                             f"(--metric {'|'.join(RECALL_METRICS)})")
     parser.add_argument("--caption", help="the LaTeX caption (LaTeX as is; default: says what the table shows)")
     parser.add_argument("--label", default="tab:table1", help="the LaTeX label")
     parser.add_argument("--wide", action="store_true", help="table* (both columns of a two-column paper)")
     args = parser.parse_args(argv)
     try:
-        table = build_table(load(args), args.metric, stderr=args.stderr)
+        bootstrap = None if args.bootstrap is None else BootstrapConfig(resamples=args.bootstrap, seed=args.seed)
+        runs = load(args) if args.recall is None else load_recall(args)
+        table = build_table(runs, args.metric, stderr=args.stderr, bootstrap=bootstrap,
+                            paired_against=args.paired_against)
     except UserError as error:
         return report(error)
     out = args.out or Path("results") / ("table1" if args.metric == "accuracy" else f"table1_{args.metric}")

@@ -10,7 +10,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PDF_MAGIC = b"%PDF-"
 
 
-SIZES = {"gsm8k": 1319, "math500": 500, "aime24": 30, "demo": 8, "canary": 200}
+SIZES = {"gsm8k": 1319, "math500": 500, "aime24": 30, "demo": 8, "canary": 200,
+         **{f"canary_{family}": 200 for family in ("state", "lookup", "plan", "redundant", "chain")}}
 
 
 def write_run(root, model, method, budget, dataset, accuracy, *, variant="paper", generation="greedy",
@@ -48,3 +49,15 @@ def is_png(path) -> bool:
 def is_figure(path) -> bool:
     magic = PNG_MAGIC if path.suffix == ".png" else PDF_MAGIC
     return path.stat().st_size > 1000 and path.read_bytes()[:len(magic)] == magic
+
+
+def write_generations(run, correct, samples=1):
+    """A run's generations.jsonl: one graded record per item id of `correct` (id -> bool, or a list
+    of bools, one per sample) and the items.json of those ids; returns `run`."""
+    lines = []
+    for item, marks in correct.items():
+        for sample, mark in enumerate(marks if isinstance(marks, list) else [marks] * samples):
+            lines.append(json.dumps({"id": item, "sample": sample, "correct": bool(mark), "output_tokens": 8}))
+    (run / "generations.jsonl").write_text("\n".join(lines) + "\n")
+    (run / "items.json").write_text(json.dumps(list(correct)))
+    return run
