@@ -30,7 +30,15 @@ from longflow.selection import choose_keep, chosen_mask
 
 BUDGET_MODES = ("cap", "target")
 SCORE_BYTES = 2 << 30  # S x S temporaries of one `rkv_scores` call
-PAIR_BYTES = 6  # of them per key pair: the float32 similarity, its comparison and that flipped
+PAIR_BYTES = 5  # of them per key pair: the float32 similarity and its comparison
+
+
+def anti_diagonal(matrices: torch.Tensor) -> torch.Tensor:
+    """`[..., S, S]` contiguous -> `[..., S]`, a view of the elements (i, S - 1 - i): in a flattened
+    matrix, those at (S - 1)(i + 1)."""
+    size = matrices.shape[-1]
+    flat = matrices.view(*matrices.shape[:-2], size * size)
+    return flat if size == 1 else flat[..., size - 1::size - 1][..., :size]
 
 
 def rkv_scores(
@@ -69,7 +77,7 @@ def rkv_scores(
     batch, q_heads, window, head_dim = queries.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     keys = keys.float()
-    inf = torch.tensor(float("inf"), device=keys.device)
+    inf = float("inf")
     index = torch.arange(slots, device=keys.device)
     older = held & (index < slots - window)  # keys the window queries score, [B, Hkv, S]
     candidates = held & (index < slots - protect)
@@ -92,14 +100,16 @@ def rkv_scores(
     # the S x S matrix is needed only to find each row's newest duplicate, whose S_ij is then taken
     # off its column: two passes over it (compare, search) instead of about ten (mask, compare,
     # flip, search, scatter, mask, sum), which made this function memory-bound on the S x S
-    # temporaries at large batch.
+    # temporaries at large batch. Its columns are the keys newest first, so that the first duplicate
+    # of a row is its newest one, found without flipping the matrix.
     unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8) * held[..., None]  # [B, Hkv, S, D]
-    similarity = torch.matmul(unit, unit.transpose(-1, -2))  # [B, Hkv, S, S]
-    similarity.diagonal(dim1=-2, dim2=-1).zero_()
+    similarity = torch.matmul(unit, unit.flip(-2).transpose(-1, -2))  # [B, Hkv, S, S], column c: slot S-1-c
+    anti_diagonal(similarity).zero_()  # S_ii = 0
     duplicate = similarity > threshold
     # Row i's most recent duplicate j (largest slot = newest position) is not counted in column j.
-    newest = slots - 1 - duplicate.view(torch.uint8).flip(-1).argmax(dim=-1, keepdim=True)  # [B, Hkv, S, 1]
-    left_out = similarity.gather(-1, newest) * duplicate.gather(-1, newest)  # [B, Hkv, S, 1]
+    first = duplicate.view(torch.uint8).argmax(dim=-1, keepdim=True)  # [B, Hkv, S, 1]
+    left_out = similarity.gather(-1, first) * duplicate.gather(-1, first)  # [B, Hkv, S, 1]
+    newest = slots - 1 - first
     column_sums = (unit * unit.sum(dim=-2, keepdim=True)).sum(dim=-1) - unit.square().sum(dim=-1)
     column_sums = column_sums - torch.zeros_like(column_sums).scatter_add_(-1, newest[..., 0], left_out[..., 0])
     mean = column_sums / held.sum(dim=-1, keepdim=True).clamp(min=1)  # mean over held rows i
@@ -367,20 +377,26 @@ class RKVPolicy(RKV):
 
     # ---- interval compression ----------------------------------------------------------------
 
-    def keep_masks(self, rows: torch.Tensor) -> Iterator[torch.Tensor]:
-        """The slots a cut of `rows` keeps in each layer (`[n, Hkv, S]` bool): `keep_after` by the
+    def keep_masks(self, rows: torch.Tensor | None) -> Iterator[torch.Tensor]:
+        """The slots a cut of `rows` (None: every row) keeps in each layer (`[n, Hkv, S]` bool): `keep_after` by the
         score of the query ring. Layers are scored together, as many as `SCORE_BYTES` of S x S
         temporaries allow: a row is cut on its own whenever the rows are out of step, and one call
         per layer would be mostly kernel launches."""
-        spec, count = self.spec, len(rows)
+        spec = self.spec
+        count = spec.batch if rows is None else len(rows)
         per_item = spec.kv_heads * self.slots_held ** 2 * PAIR_BYTES  # S x S temporaries per (layer, row)
         group = max(1, SCORE_BYTES // (per_item * count))
+
+        def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:  # one layer's own buffer is read in place
+            return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
         for start in range(0, spec.layers, group):
             layers = range(start, min(spec.layers, start + group))
-            keys = torch.cat([self.layers[i].keys.index_select(0, rows) for i in layers])  # [n*g, Hkv, S, D]
-            held = torch.cat([self.layers[i].valid.index_select(0, rows) for i in layers])
+            observed = [Observation(self, i, rows=rows) for i in layers]
+            keys = stacked([obs.keys for obs in observed])  # [n*g, Hkv, S, D]
+            held = stacked([obs.valid for obs in observed])
             # The ring in its own order: the importance averages over the window's queries.
-            queries = torch.cat([self.history.ring(i, rows) for i in layers])
+            queries = stacked([self.history.ring(i, rows) for i in layers])
             every = torch.ones(len(keys), self.queries_held, dtype=torch.bool, device=spec.device)
             scores = self._chunked_scores(queries, every, keys, held, self.scale)
             keep = chosen_mask(choose_keep(scores, held, self.keep_after), held)  # [n*g, Hkv, S]
