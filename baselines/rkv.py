@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation, one_of, shrink_interval
+from longflow.policy import CacheSpec, KVPolicy, Observation, device_index, one_of, shrink_interval
 from longflow.selection import choose_keep, chosen_mask
 
 BUDGET_MODES = ("cap", "target")
@@ -515,7 +515,7 @@ class RKVLfRepoPolicy(RKV):
         with the W newest queries (the step's own the newest), in score order, then the newest."""
         slots = self.layers[layer]
         device = slots.keys.device
-        rows = torch.tensor(self.cutting, device=device)
+        rows = device_index(self.cutting, device)
         self.record_peak([layer])  # the rows are full: their peak, before the cut frees slots
         queries, _, query_valid = self.history.recent(layer, self.positions.index_select(0, rows), rows)
         scored = self.slots_held - self.protect
