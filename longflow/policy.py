@@ -345,6 +345,9 @@ class KVPolicy:
     # A step-schedule method whose `score` reads the step's attention probabilities (`Observation.probs`);
     # without them its decode attention is flash decoding on CUDA, which computes none.
     step_probs: ClassVar[bool] = True
+    # Whether `score` of a prompt (`PromptObservation`, `prefill: by_score`) reads no per-slot state even
+    # though the method keeps some (LKV: its state is the score it computes from a slot's own token).
+    prompt_score_is_stateless: ClassVar[bool] = False
     # Whether the run's `budget` bounds this method (False: the full cache, which holds every token
     # and records no budget). `build_policy` reads it, so no caller decides by the method's name.
     uses_budget: ClassVar[bool] = True
@@ -516,7 +519,7 @@ class KVPolicy:
                 raise UserError(f"{self.name}: layer {layer}'s head capacities {caps} must be {spec.kv_heads} "
                                 f"numbers in [2, {capacities[layer]}]")
         states = self.slot_state()
-        if self.prefill == "by_score" and states:
+        if self.prefill == "by_score" and states and not self.prompt_score_is_stateless:
             raise UserError(f"{self.name}: prefill=by_score applies the score to the prompt, which has no per-slot "
                             f"state ({', '.join(states)}); use prefill=snapkv")
         slots = SlotCache(spec.batch, spec.kv_heads, spec.head_dim, spec.dtype, spec.device, capacities,
