@@ -276,6 +276,27 @@ def test_scores_match_reference_with_free_slots_among_the_held():
     assert_scores_match(scores, reference, held, protect)
 
 
+@pytest.mark.parametrize("slots", [1, 2, 3, 7, 40])
+def test_newest_duplicates_by_hand(slots):
+    """Each row's largest j != i with u_i . u_j > threshold (slot S - 1 and 0 without one), free slots
+    (zero unit keys) among them, at slot counts that the similarity blocks do not divide."""
+    from baselines.rkv import newest_duplicates
+
+    generator = torch.Generator().manual_seed(slots)
+    keys = torch.randn(2, 2, slots, 6, generator=generator) + torch.randn(2, 2, 1, 6, generator=generator)
+    unit = keys / keys.norm(dim=-1, keepdim=True)
+    unit[0, 1, ::3] = 0.0  # free slots
+    index, similarity = newest_duplicates(unit, 0.5)
+    for b in range(2):
+        for h in range(2):
+            for i in range(slots):
+                above = [j for j in range(slots) if j != i and float(unit[b, h, i] @ unit[b, h, j]) > 0.5]
+                expected = max(above, default=slots - 1)
+                assert int(index[b, h, i]) == expected
+                value = float(unit[b, h, i] @ unit[b, h, expected]) if above else 0.0
+                assert math.isclose(float(similarity[b, h, i]), value, rel_tol=1e-5, abs_tol=1e-6)
+
+
 def test_scores_reach_the_threshold_rule():
     """The case exercises duplicates: some rows have several keys above the threshold, some none."""
     queries, query_valid, keys, held = random_case(0, 8, 2, slots=40, window=8, pads=[0, 3, 11])
