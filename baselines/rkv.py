@@ -35,7 +35,7 @@ SCORE_BYTES = 2 << 30  # temporaries of one `rkv_scores` call
 # (k + 1) / 2k are computed and written (5/8 for k = 4), and a temporary is one block pair's.
 SIMILARITY_BLOCKS = 4
 PAIR_BYTES = 6  # temporaries per key pair of a block: the float32 similarity, its comparison, transposed
-KEY_BYTES = 12  # per key and dimension: three float32 copies of the keys (cast, unit, reversed)
+KEY_BYTES = 24  # per key and dimension: the float32 copies of the keys alive at once (about six)
 
 
 def score_bytes(kv_heads: int, slots: int, head_dim: int) -> int:
