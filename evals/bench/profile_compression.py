@@ -17,6 +17,7 @@ Writes `--out` (CSV): a row per method and batch with both step times and the co
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import numpy as np
@@ -102,8 +103,12 @@ def main(argv: list[str] | None = None) -> None:
     spec = model_spec(args.model, weights="random")
     device = resolve_device(args.device)
     model, _ = load_model(spec, device)
-    rows = [profile_method(model, method, args.budget, args.batch, args.prompt, args.repeats, args.top)
-            for method in args.methods.split(",")]
+    rows = []
+    for method in args.methods.split(","):
+        rows.append(profile_method(model, method, args.budget, args.batch, args.prompt, args.repeats, args.top))
+        gc.collect()  # the batch's cache, before the next method allocates its own
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     write_table(pd.DataFrame(rows), args.out, "compressions", dict(
         model=args.model, prompt=args.prompt, device=torch.cuda.get_device_name(device) if device.type == "cuda"
         else "cpu"))
