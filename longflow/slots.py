@@ -171,6 +171,7 @@ class SlotCache:
                 slots.state[name][:, :, :count] = spec.on_write(slots.values[:, :, :count]).to(spec.dtype)
         self.next_slot[layer].copy_(first_free(slots.valid, slots.usable))
 
+    @torch.no_grad()  # a move within the buffers; a forward run with gradients on may have stored into them
     def compact(self, layer: int, rows: torch.Tensor | None, keep: torch.Tensor,
                 rank: torch.Tensor | None = None) -> None:
         """Move the kept slots of `rows` to the low slots and free the rest; the next slot is the first free.
