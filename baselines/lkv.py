@@ -152,10 +152,6 @@ class LKVPolicy(KVPolicy):
     def head_capacities(self, spec: CacheSpec, layer: int) -> list[int] | None:
         return list(self.head_slots[layer])
 
-    def compresses_within(self, prompt_tokens: int, total_tokens: int, spec: CacheSpec) -> bool:
-        """The base rule: its `store` is the base class's, plus the new token's score."""
-        return not self.holds_every_token(prompt_tokens, total_tokens, spec)
-
     def slot_state(self) -> dict[str, SlotState]:
         return {SCORE: SlotState(on_prompt=prompt_scores)}
 
