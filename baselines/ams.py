@@ -105,7 +105,9 @@ def segments(mass: torch.Tensor, step: float, min_len: int, max_len: int) -> tor
     Cuts where the cumulative mass reaches step, 2 step, ... < 1 (first index at or above, clamped
     to [1, T - 1]); then every segment longer than `max_len` split from its start; then each
     segment shorter than `min_len` merged with its successors until long enough (the last may stay
-    short). The merge is a scan over the segments, vectorised over the lines.
+    short). The merge is a scan over the segments, vectorised over the lines, of as many passes as
+    the most segments of min_len a line can hold (each pass moves a line's scan on by at least
+    min_len; a finished line stays put), so that no pass asks the device whether to go on.
     """
     lines, slots = mass.shape
     device = mass.device
@@ -123,7 +125,7 @@ def segments(mass: torch.Tensor, step: float, min_len: int, max_len: int) -> tor
     kept = torch.zeros_like(boundary)
     kept[:, 0] = True
     begin = torch.zeros(lines, dtype=torch.long, device=device)
-    while bool((begin < slots).any()):
+    for _ in range(-(-slots // min_len)):
         end = following.gather(1, (begin + min_len).clamp(max=slots)[:, None])[:, 0]
         end = torch.where(begin < slots, end, slots)
         kept.scatter_(1, end[:, None], True)
@@ -131,16 +133,17 @@ def segments(mass: torch.Tensor, step: float, min_len: int, max_len: int) -> tor
     return kept[:, :slots].long().cumsum(dim=1) - 1
 
 
-def round_robin(capacity: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+def round_robin(capacity: torch.Tensor, count: torch.Tensor, most: int) -> torch.Tensor:
     """Units given one at a time to the segments in order, pass after pass, to those with capacity
     left, until `count` `[N]` are given (or none has capacity): the units each got, `[N, K]`.
 
     P full passes give min(capacity, P) each; P is the largest with sum <= count, found by
-    bisection; the remainder goes to the first segments with capacity > P.
+    bisection (over [0, `most`], a host bound of the capacities: a bisection step past convergence
+    changes nothing); the remainder goes to the first segments with capacity > P.
     """
     low = torch.zeros_like(count)
     high = capacity.amax(dim=-1)
-    for _ in range(int(high.max()).bit_length() + 1):
+    for _ in range(most.bit_length() + 1):
         middle = (low + high + 1) // 2
         fits = torch.minimum(capacity, middle[:, None]).sum(dim=-1) <= count
         low = torch.where(fits, middle, low)
@@ -153,9 +156,9 @@ def round_robin(capacity: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
 
 
 def quotas(segment: torch.Tensor, mass: torch.Tensor, keep: int, min_keep: int) -> torch.Tensor:
-    """Slots kept per segment, `[N, K]` (K = the most segments of a line; empty ones get 0)."""
-    lines = segment.shape[0]
-    width = int(segment.max()) + 1
+    """Slots kept per segment, `[N, K]` (K = T, the most segments a line can have, known without
+    reading the device; empty ones get 0)."""
+    lines, width = segment.shape
     length = torch.zeros(lines, width, dtype=torch.long, device=segment.device).scatter_add_(
         1, segment, torch.ones_like(segment))
     weight = torch.zeros(lines, width, dtype=mass.dtype, device=mass.device).scatter_add_(1, segment, mass)
@@ -163,15 +166,15 @@ def quotas(segment: torch.Tensor, mass: torch.Tensor, keep: int, min_keep: int) 
     base = floor.sum(dim=-1)
     # More guaranteed slots than t: down to one per segment, round-robin.
     over = (base - keep).clamp(min=0)
-    shrunk = floor - round_robin((floor - 1).clamp(min=0), over)
+    shrunk = floor - round_robin((floor - 1).clamp(min=0), over, width)
     # Otherwise the rest by mass, then +-1 round-robin to exactly t.
     rest = (keep - base).clamp(min=0)
     weight = weight.double()  # the official shares are Python floats
     share = torch.round(rest[:, None] * (weight / (weight.sum(dim=-1, keepdim=True) + 1e-12))).long()
     shared = torch.minimum(length, floor + share)
     total = shared.sum(dim=-1)
-    shared = shared - round_robin(shared - floor, (total - keep).clamp(min=0))
-    shared = shared + round_robin(length - shared, (keep - total).clamp(min=0))
+    shared = shared - round_robin(shared - floor, (total - keep).clamp(min=0), width)
+    shared = shared + round_robin(length - shared, (keep - total).clamp(min=0), width)
     return torch.where((base >= keep)[:, None], shrunk, shared)
 
 
@@ -253,7 +256,10 @@ class AMSPolicy(KVPolicy):
         mass = to_mass(evidence)
         if self.use_credit:
             credit = self.credit_decay * obs.state("credit") + (1 - self.credit_decay) * mass
-            obs.slots.state["credit"].index_copy_(0, obs.rows, credit)
+            if obs.rows is None:
+                obs.slots.state["credit"].copy_(credit)
+            else:
+                obs.slots.state["credit"].index_copy_(0, obs.rows, credit)
             mass = to_mass(self.mix_beta * mass + (1 - self.mix_beta) * to_mass(credit))
         lines = to_mass(mass.mean(dim=0) if self.segment_over == "batch" else mass.flatten(0, 1))  # [N, T]
         segment = segments(lines, self.segment_mass, self.min_seg_len, self.max_seg_len)
@@ -266,7 +272,7 @@ class AMSPolicy(KVPolicy):
         sinks = min(self.n_sink, count - last)
         index = torch.arange(slots, device=keys.device)
         must = ((index < sinks) | (index >= slots - last)).expand(rows, kv_heads, slots)
-        need = count - int(must[0, 0].sum())
+        need = count - min(slots, sinks + last)  # |must| from the host's sizes (sinks <= count - last)
         enough = ((chosen & ~must).sum(dim=-1, keepdim=True) >= need)  # else: the best of every other slot
         allowed = torch.where(enough, chosen | must, torch.ones_like(must))
         return chosen_mask(choose_keep(score, allowed, count, protect=must), obs.valid)

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from longflow.errors import UserError
-from longflow.policy import IDLE, CacheSpec, KVPolicy, Observation, one_of
+from longflow.policy import IDLE, CacheSpec, KVPolicy, Observation, device_index, one_of
 from longflow.rotary import rotate_half, unrotate
 
 AGGREGATES = ("max", "mean")
@@ -249,19 +249,15 @@ class BeaconKVPolicy(KVPolicy):
         if due:
             self.merge(due)
 
-    def newest(self, rows: torch.Tensor) -> torch.Tensor:
-        """`[n]` the position of each row's newest token (always held: the last tokens are kept)."""
-        return self.layers[0].positions.index_select(0, rows).amax(dim=(1, 2))
-
     @torch.no_grad()
     def merge(self, rows: list[int]) -> None:
         """Beacons and the queries appended since the last cut, FPS-reduced back to `n_beacons`, in
         every layer (host hook, between steps): layers in groups of at most SCORE_BYTES of points."""
         spec = self.spec
-        index = torch.tensor(rows, dtype=torch.long, device=spec.device)
+        index = device_index(rows, spec.device)
         window = self.buffer_size - self.n_beacons
-        newest = self.newest(index)
-        appended = torch.tensor([min(self.appended[row], window) for row in rows], device=spec.device)
+        newest = self.written(index)
+        appended = device_index([min(self.appended[row], window) for row in rows], spec.device)
         positions = newest[:, None] - window + 1 + torch.arange(window, device=spec.device)  # [n, w]
         fresh = (positions >= 0) & (torch.arange(window, device=spec.device) >= window - appended[:, None])
         point_valid = torch.cat([self.beacon_valid.index_select(0, index), fresh], dim=-1)  # [n, K + w]
@@ -292,7 +288,7 @@ class BeaconKVPolicy(KVPolicy):
     def protected(self, obs: Observation) -> torch.Tensor:
         """The last `keep_last` tokens, and with `keep_prompt` the prompt when it fits in the cut."""
         rows = self._rows(obs)
-        newest = self.newest(rows)[:, None, None]
+        newest = obs.newest[:, None, None]
         positions, valid = obs.positions, obs.valid
         protect = valid & (positions > newest - self.keep_last)
         if self.keep_prompt:
@@ -305,7 +301,7 @@ class BeaconKVPolicy(KVPolicy):
         """`[n, Hkv, S]`: `beacon_scores` of the unprotected held slots by the `n_recent` newest
         queries and the beacons rotated to the newest position."""
         rows = self._rows(obs)
-        newest = self.newest(rows)
+        newest = obs.newest
         queries, query_valid = [], []
         if self.n_recent:
             recent, _, recent_valid = self.history.recent(obs.layer, newest, rows, self.n_recent)

@@ -238,12 +238,10 @@ class CompressKVPolicy(KVPolicy):
     def cut(self, layer: int, rows: list[int], count: int) -> None:
         """Layer `layer` of `rows` (every slot held) keeps its `count` best slots, in position order."""
         self.record_peak([layer])  # the rows are full: their peak, before the cut frees slots
-        index = torch.tensor(rows, dtype=torch.long, device=self.spec.device)
-        obs = Observation(self, layer, rows=index)
+        index = self.row_index(rows)
+        obs = Observation(self, layer, rows=index, newest=self.written(index))
         valid, positions = obs.valid, obs.positions
-        # The newest token held, not `obs.newest`: the engine has advanced its positions by now.
-        last = positions.masked_fill(~valid, -1).amax(dim=-1)[:, 0]  # [n]
-        queries, query_positions, query_valid = self.history.recent(layer, last, index, self.window)
+        queries, query_positions, query_valid = obs.queries(self.window)
         scores = srh_scores(queries, query_positions, query_valid, obs.keys, positions, valid, self.heads[layer],
                             obs.scale, self.kernel, self.pooling)
         chosen = choose_keep(scores, valid, count, self.protected(obs))

@@ -231,14 +231,10 @@ class InfoKVPolicy(KVPolicy):
 
     # ---- the score -------------------------------------------------------------------------------
 
-    def newest(self, obs: Observation) -> torch.Tensor:
-        """`[n]` the position of each row's newest token (always held: the window is kept)."""
-        return obs.positions.amax(dim=(1, 2))
-
     def protected(self, obs: Observation) -> torch.Tensor:
         """The `window` newest tokens, and with `keep_prompt` the prompt when it fits in the cut."""
         positions, valid = obs.positions, obs.valid
-        protect = valid & (positions > self.newest(obs)[:, None, None] - self.recent)
+        protect = valid & (positions > obs.newest[:, None, None] - self.recent)
         if self.keep_prompt:
             ends = self.prompt_end if obs.rows is None else self.prompt_end.index_select(0, obs.rows)
             prompt = valid & (positions < ends[:, None, None])
@@ -248,7 +244,7 @@ class InfoKVPolicy(KVPolicy):
 
     def score(self, obs: Observation) -> torch.Tensor:
         """`infokv_scores` of the unprotected held slots with the `window` newest queries."""
-        queries, _, query_valid = self.history.recent(obs.layer, self.newest(obs), obs.rows, self.recent)
+        queries, _, query_valid = obs.queries(self.recent)
         candidates = obs.valid & ~self.protected(obs)
         keys, evolution = obs.keys, obs.state("evolution")
         step = max(1, SCORE_BYTES // (TEMPORARIES * 4 * queries.shape[1] * queries.shape[2] * keys.shape[2]))

@@ -223,17 +223,16 @@ class KaraPolicy(KVPolicy):
         """Score the completed window of `rows` in every layer; `ratio`: free its dropped tokens; `cap`:
         rank its tokens, then free the lowest-ranked slots until `room` slots are free."""
         self.record_peak()  # the rows hold their most now, before slots are freed
-        index = torch.tensor(rows, dtype=torch.long, device=self.spec.device)
+        index = self.row_index(rows)
+        last = self.written(index)[:, None]  # [n, 1]: the token the step wrote, held by every head
         for layer in range(self.spec.layers):
-            obs = Observation(self, layer, rows=index)
+            obs = Observation(self, layer, rows=index, newest=last[:, 0])
             valid, positions = obs.valid, obs.positions
-            # The newest token held, not `obs.newest`: the engine has advanced its positions by now.
-            last = positions.masked_fill(~valid, -1).amax(dim=-1)  # [n, Hkv]
             in_window = valid & (positions > (last - self.span)[..., None])  # W slots per line
             order = torch.where(in_window, positions, torch.iinfo(torch.long).max).argsort(dim=-1)
             slots = order[..., :self.span]  # [n, Hkv, W], by position
             keys = obs.keys.gather(2, slots[..., None].expand(-1, -1, -1, obs.keys.shape[-1]))
-            queries, _, _ = self.history.recent(layer, last[:, 0], index, self.span)
+            queries, _, _ = obs.queries(self.span)
             scores = window_scores(queries, keys, obs.scale, self.shared_selection)  # [n, Hkv, W]
             kept = token2chunk(scores.flatten(0, 1), self.quota, self.chunk_width,
                                int(self.chunk_budget * self.quota), self.endpoint_quantile).view_as(scores)
@@ -242,7 +241,10 @@ class KaraPolicy(KVPolicy):
             else:
                 rank = self.window_rank(scores, kept, positions.gather(-1, slots), last)
                 state = obs.state(RANK).scatter(-1, slots, rank)
-                obs.slots.state[RANK].index_copy_(0, index, state)
+                if index is None:
+                    obs.slots.state[RANK].copy_(state)
+                else:
+                    obs.slots.state[RANK].index_copy_(0, index, state)
                 chosen = choose_keep(state, valid, self.budget - room)
                 keep = torch.zeros_like(valid).scatter_(-1, chosen, True) & valid
             self.slots.compact(layer, index, keep)
@@ -251,7 +253,7 @@ class KaraPolicy(KVPolicy):
                     last: torch.Tensor) -> torch.Tensor:
         """cap: the rank `[n, Hkv, W]` of a scored window's tokens, in [0, 2): Token2Chunk's kept tokens
         1 + their within-window score (sums to 1 over the window; `fifo`: their position over the
-        newest's + 1, so older windows go first), the dropped ones 0 + the same. last: `[n, Hkv]`."""
+        newest's + 1, so older windows go first), the dropped ones 0 + the same. last: `[n, 1]`."""
         if self.history_eviction == "fifo":
             within = positions.float() / (last.float() + 1)[..., None]
         else:

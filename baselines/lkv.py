@@ -25,9 +25,9 @@ The learned parameters, one file (`weights`, safetensors), per layer l and KV he
   (`token_scores`). It reads no query and no attention: the decode step computes no probabilities
   (flash decoding on CUDA). The score of a slot never changes, so evicting the lowest-scored slot
   at every step keeps exactly the newest token and the top capacity - 1 scores of the rest, the
-  selection the training relaxes. The score is recomputed over the held slots at every step, a
-  small matmul per layer; a stored score would need a slot-write hook that sees the keys
-  (`SlotState.on_write` sees the values only).
+  selection the training relaxes. So it is computed once per token, when its slot is written (the
+  decode token in `store`, the kept prompt tokens by the state's `on_prompt`), and kept in the
+  per-slot state `score`, which moves with its slot; a decode step's score reads it.
 
 A step method through the shared rule (lowest score evicted, per KV head); a prompt longer than a
 head's capacity is cut by the same score (`prefill: by_score`). `weights: null`, or a file made for
@@ -47,10 +47,12 @@ import torch
 
 from longflow.calibration import load_calibration
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation, one_of
+from longflow.policy import CacheSpec, KVPolicy, Observation, PromptObservation, one_of
+from longflow.slots import SlotState
 
 PARAMETERS = ("budget_logits", "w_linear", "w_in", "b_in", "w_out")
 OTHER_MODELS = ("prior", "error")
+SCORE = "score"  # per-slot state: LKV-T's score of the slot's token
 
 
 def slot_features(keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -90,6 +92,11 @@ def head_budgets(budget_logits: torch.Tensor, budget: int) -> tuple[list[int], l
     return slots, heads
 
 
+def prompt_scores(prompt: PromptObservation) -> torch.Tensor:
+    """`SlotState.on_prompt` of `score`: LKV-T's scores of the prompt's tokens, `[B, Hkv, L]`."""
+    return prompt.policy.token_scores(prompt.layer, prompt.keys, prompt.values, prompt.positions)
+
+
 @dataclass(eq=False)
 class LKVPolicy(KVPolicy):
     """LKV (see the module docstring). Fields: `weights` (the trained file, or None for the prior),
@@ -104,6 +111,7 @@ class LKVPolicy(KVPolicy):
     name = "lkv"
     shared_selection = False
     step_probs = False
+    prompt_score_is_stateless = True
 
     def __post_init__(self):
         super().__post_init__()
@@ -144,7 +152,27 @@ class LKVPolicy(KVPolicy):
     def head_capacities(self, spec: CacheSpec, layer: int) -> list[int] | None:
         return list(self.head_slots[layer])
 
-    def score(self, obs: Observation) -> torch.Tensor:
-        layer = obs.layer
-        features = slot_features(obs.keys, obs.values, obs.positions)
+    def slot_state(self) -> dict[str, SlotState]:
+        return {SCORE: SlotState(on_prompt=prompt_scores)}
+
+    def token_scores(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+        """LKV-T of `layer`'s tokens: keys, values `[n, Hkv, S, D]`, positions `[n, Hkv, S]` -> `[n, Hkv, S]`."""
+        features = slot_features(keys, values, positions)
         return token_scores(features, *(self.params[name][layer] for name in PARAMETERS[1:]))
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base class's store, and at decode the new token's score into the slot it was written to
+        (`next_slot[layer]`, which this step's `decode` then moves on). Static, no sync."""
+        out = super().store(layer, k, v)
+        if not self.prefilling:
+            written = self.next_slot[layer][..., None]  # [B, Hkv, 1]
+            positions = self.positions[:, None, None].expand(-1, k.shape[1], 1)
+            self.layers[layer].state[SCORE].scatter_(2, written, self.token_scores(layer, k, v, positions))
+        return out
+
+    def score(self, obs: Observation) -> torch.Tensor:
+        """The stored scores of the slots; a prompt's (`prefill: by_score`) computed from its tokens."""
+        if isinstance(obs, PromptObservation):
+            return prompt_scores(obs)
+        return obs.state(SCORE)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baselines.rpc import capped_interval, newest_held
+from baselines.rpc import capped_interval
 from longflow.errors import UserError
 from longflow.policy import CacheSpec, KVPolicy, Observation, one_of
 from longflow.sampling import row_uniform
@@ -134,7 +134,7 @@ class RandomAttentionPolicy(KVPolicy):
         """The `recent` newest tokens and, with `protect_prompt`, the prompt's first K - 1 held slots
         (K = keep_after - recent: the slots a cut keeps beside the newest)."""
         valid, positions = obs.valid, obs.positions
-        protect = valid & (positions > newest_held(positions, valid)[:, None, None] - self.newest_kept)
+        protect = valid & (positions > obs.newest[:, None, None] - self.newest_kept)
         if self.protect_prompt:
             room = max(0, self.keep_after - self.newest_kept - 1)
             protect = protect | first_prompt(obs.state(PROMPT) & valid, room)
@@ -142,7 +142,7 @@ class RandomAttentionPolicy(KVPolicy):
 
     def score(self, obs: Observation) -> torch.Tensor:
         """`[n, Hkv, S]`: +inf on the protected slots, fresh uniform noise on the others, -inf where free."""
-        noise = uniform_scores(self.seed, obs.layer, obs.positions, newest_held(obs.positions, obs.valid))
+        noise = uniform_scores(self.seed, obs.layer, obs.positions, obs.newest)
         return random_keep_scores(noise, obs.valid, self.protected(obs))
 
     def prefill_scores(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

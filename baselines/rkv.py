@@ -25,12 +25,60 @@ import torch
 import torch.nn.functional as F
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation, one_of, shrink_interval
+from longflow.policy import CacheSpec, KVPolicy, Observation, device_index, one_of, shrink_interval
 from longflow.selection import choose_keep, chosen_mask
 
 BUDGET_MODES = ("cap", "target")
-SCORE_BYTES = 2 << 30  # S x S temporaries of one `rkv_scores` call
-PAIR_BYTES = 6  # of them per key pair: the float32 similarity, its comparison and that flipped
+SCORE_BYTES = 2 << 30  # temporaries of one `rkv_scores` call
+# The keys' similarities are computed in blocks of slots, SIMILARITY_BLOCKS per side: a block pair
+# and its transpose are one product (the matrix is symmetric), so of the S x S products only
+# (k + 1) / 2k are computed and written (5/8 for k = 4), and a temporary is one block pair's.
+SIMILARITY_BLOCKS = 4
+PAIR_BYTES = 6  # temporaries per key pair of a block: the float32 similarity, its comparison, transposed
+KEY_BYTES = 24  # per key and dimension: the float32 copies of the keys alive at once (about six)
+
+
+def score_bytes(kv_heads: int, slots: int, head_dim: int) -> int:
+    """Temporaries of `rkv_scores` per row (and layer): its largest block pair and its key copies."""
+    block = -(-slots // SIMILARITY_BLOCKS)
+    return kv_heads * (block * block * PAIR_BYTES + slots * head_dim * KEY_BYTES)
+
+
+def newest_duplicates(unit: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each row i of the similarities S_ij = u_i . u_j of unit keys `[B, Hkv, S, D]`: the newest
+    (largest) slot j != i with S_ij > threshold, and that S_ij; slot S - 1 and 0 where there is none.
+
+    The slots are taken newest first, so that a row's first duplicate is its newest, and cut into
+    SIMILARITY_BLOCKS spans; each pair of spans (a <= c) is one product, read along its rows for the
+    rows of a and along its columns for those of c, and a row takes its duplicate from the newest
+    span that holds one. Returns (slot `[B, Hkv, S]` int64, similarity `[B, Hkv, S]` float32).
+    """
+    slots = unit.shape[-2]
+    reverse = unit.flip(-2)  # row r: slot S - 1 - r
+    edges = [slots * b // SIMILARITY_BLOCKS for b in range(SIMILARITY_BLOCKS + 1)]
+    spans = [(low, high) for low, high in zip(edges[:-1], edges[1:], strict=True) if high > low]
+    found = {}  # (rows' span, columns' span) -> (found, first index, similarity) for the rows' span
+    for a, (a0, a1) in enumerate(spans):
+        for c in range(a, len(spans)):
+            c0, c1 = spans[c]
+            block = torch.matmul(reverse[..., a0:a1, :], reverse[..., c0:c1, :].transpose(-1, -2))
+            if a == c:
+                block.diagonal(dim1=-2, dim2=-1).zero_()  # S_ii = 0
+            duplicate = block > threshold
+            first = duplicate.view(torch.uint8).argmax(dim=-1, keepdim=True)  # the rows of a, in c
+            found[a, c] = (duplicate.gather(-1, first)[..., 0], c0 + first[..., 0], block.gather(-1, first)[..., 0])
+            if a < c:  # the rows of c, in a: the comparison transposed (a byte a pair) for a contiguous search
+                first = duplicate.mT.contiguous().view(torch.uint8).argmax(dim=-1, keepdim=True).mT
+                found[c, a] = (duplicate.gather(-2, first)[..., 0, :], a0 + first[..., 0, :],
+                               block.gather(-2, first)[..., 0, :])
+    index = torch.zeros(unit.shape[:-1], dtype=torch.long, device=unit.device)
+    similarity = torch.zeros(unit.shape[:-1], dtype=unit.dtype, device=unit.device)
+    for x, (x0, x1) in enumerate(spans):
+        for y in reversed(range(len(spans))):  # the newest span last: it wins
+            hit, first, value = found[x, y]
+            index[..., x0:x1] = torch.where(hit, first, index[..., x0:x1])
+            similarity[..., x0:x1] = torch.where(hit, value, similarity[..., x0:x1])
+    return slots - 1 - index.flip(-1), similarity.flip(-1)
 
 
 def rkv_scores(
@@ -69,7 +117,7 @@ def rkv_scores(
     batch, q_heads, window, head_dim = queries.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     keys = keys.float()
-    inf = torch.tensor(float("inf"), device=keys.device)
+    inf = float("inf")
     index = torch.arange(slots, device=keys.device)
     older = held & (index < slots - window)  # keys the window queries score, [B, Hkv, S]
     candidates = held & (index < slots - protect)
@@ -92,16 +140,13 @@ def rkv_scores(
     # the S x S matrix is needed only to find each row's newest duplicate, whose S_ij is then taken
     # off its column: two passes over it (compare, search) instead of about ten (mask, compare,
     # flip, search, scatter, mask, sum), which made this function memory-bound on the S x S
-    # temporaries at large batch.
+    # temporaries at large batch; and of the symmetric matrix only half is computed
+    # (`newest_duplicates`).
     unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8) * held[..., None]  # [B, Hkv, S, D]
-    similarity = torch.matmul(unit, unit.transpose(-1, -2))  # [B, Hkv, S, S]
-    similarity.diagonal(dim1=-2, dim2=-1).zero_()
-    duplicate = similarity > threshold
     # Row i's most recent duplicate j (largest slot = newest position) is not counted in column j.
-    newest = slots - 1 - duplicate.view(torch.uint8).flip(-1).argmax(dim=-1, keepdim=True)  # [B, Hkv, S, 1]
-    left_out = similarity.gather(-1, newest) * duplicate.gather(-1, newest)  # [B, Hkv, S, 1]
+    newest, left_out = newest_duplicates(unit, threshold)  # [B, Hkv, S] each
     column_sums = (unit * unit.sum(dim=-2, keepdim=True)).sum(dim=-1) - unit.square().sum(dim=-1)
-    column_sums = column_sums - torch.zeros_like(column_sums).scatter_add_(-1, newest[..., 0], left_out[..., 0])
+    column_sums = column_sums - torch.zeros_like(column_sums).scatter_add_(-1, newest, left_out)
     mean = column_sums / held.sum(dim=-1, keepdim=True).clamp(min=1)  # mean over held rows i
     redundancy = torch.softmax(mean.masked_fill(~held, -inf), dim=-1).nan_to_num(0.0)  # over held j
 
@@ -353,9 +398,9 @@ class RKVPolicy(RKV):
             self.layers[layer].valid[..., :kept.shape[-1]] &= survives
 
     def _chunked_scores(self, queries, query_valid, keys, held, scale) -> torch.Tensor:
-        """`rkv_scores` over the leading dimension in chunks of at most `SCORE_BYTES` of S x S temporaries."""
+        """`rkv_scores` over the leading dimension in chunks of at most `SCORE_BYTES` of temporaries."""
         kv_heads, slots = keys.shape[1], keys.shape[2]
-        step = max(1, SCORE_BYTES // (kv_heads * slots ** 2 * PAIR_BYTES))
+        step = max(1, SCORE_BYTES // score_bytes(kv_heads, slots, keys.shape[3]))
         return torch.cat([
             rkv_scores(
                 queries[i:i + step], query_valid[i:i + step], keys[i:i + step], held[i:i + step], scale,
@@ -367,20 +412,26 @@ class RKVPolicy(RKV):
 
     # ---- interval compression ----------------------------------------------------------------
 
-    def keep_masks(self, rows: torch.Tensor) -> Iterator[torch.Tensor]:
-        """The slots a cut of `rows` keeps in each layer (`[n, Hkv, S]` bool): `keep_after` by the
+    def keep_masks(self, rows: torch.Tensor | None) -> Iterator[torch.Tensor]:
+        """The slots a cut of `rows` (None: every row) keeps in each layer (`[n, Hkv, S]` bool): `keep_after` by the
         score of the query ring. Layers are scored together, as many as `SCORE_BYTES` of S x S
         temporaries allow: a row is cut on its own whenever the rows are out of step, and one call
         per layer would be mostly kernel launches."""
-        spec, count = self.spec, len(rows)
-        per_item = spec.kv_heads * self.slots_held ** 2 * PAIR_BYTES  # S x S temporaries per (layer, row)
+        spec = self.spec
+        count = spec.batch if rows is None else len(rows)
+        per_item = score_bytes(spec.kv_heads, self.slots_held, spec.head_dim)  # per (layer, row)
         group = max(1, SCORE_BYTES // (per_item * count))
+
+        def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:  # one layer's own buffer is read in place
+            return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
         for start in range(0, spec.layers, group):
             layers = range(start, min(spec.layers, start + group))
-            keys = torch.cat([self.layers[i].keys.index_select(0, rows) for i in layers])  # [n*g, Hkv, S, D]
-            held = torch.cat([self.layers[i].valid.index_select(0, rows) for i in layers])
+            observed = [Observation(self, i, rows=rows) for i in layers]
+            keys = stacked([obs.keys for obs in observed])  # [n*g, Hkv, S, D]
+            held = stacked([obs.valid for obs in observed])
             # The ring in its own order: the importance averages over the window's queries.
-            queries = torch.cat([self.history.ring(i, rows) for i in layers])
+            queries = stacked([self.history.ring(i, rows) for i in layers])
             every = torch.ones(len(keys), self.queries_held, dtype=torch.bool, device=spec.device)
             scores = self._chunked_scores(queries, every, keys, held, self.scale)
             keep = chosen_mask(choose_keep(scores, held, self.keep_after), held)  # [n*g, Hkv, S]
@@ -499,7 +550,7 @@ class RKVLfRepoPolicy(RKV):
         with the W newest queries (the step's own the newest), in score order, then the newest."""
         slots = self.layers[layer]
         device = slots.keys.device
-        rows = torch.tensor(self.cutting, device=device)
+        rows = device_index(self.cutting, device)
         self.record_peak([layer])  # the rows are full: their peak, before the cut frees slots
         queries, _, query_valid = self.history.recent(layer, self.positions.index_select(0, rows), rows)
         scored = self.slots_held - self.protect

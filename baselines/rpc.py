@@ -131,13 +131,6 @@ def top_candidates(score: torch.Tensor, count: int) -> torch.Tensor:
     return chosen & (score > float("-inf"))
 
 
-def newest_held(positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """`[n, Hkv, S]` -> `[n]`: the newest position a row holds. At a compression that is the token the
-    step wrote (every head holds it), whether or not the caller has advanced its positions yet (the
-    engine advances them before the host hooks run)."""
-    return positions.masked_fill(~valid, -1).amax(dim=(1, 2))
-
-
 def capped_interval(name: str, budget: int, compress_every: int, recent: int) -> tuple[int, int]:
     """(interval, newest tokens kept) in force under the cap: `compress_every` and `recent` when a cut
     to budget - compress_every keeps more than `recent`; else the interval shrinks to a quarter of the
@@ -229,7 +222,7 @@ class RPCPolicy(KVPolicy):
         """The newest `window` tokens and the prompt; under `cap`, only the prompt's first slots that
         fit beside the newest in a cut (slots are in position order, the prompt first)."""
         valid, positions = obs.valid, obs.positions
-        newest = valid & (positions > newest_held(positions, valid)[:, None, None] - self.newest_kept)
+        newest = valid & (positions > obs.newest[:, None, None] - self.newest_kept)
         prompt = obs.state(PROMPT) & valid
         if self.budget_mode == "cap":
             prompt = prompt & (prompt.cumsum(dim=-1) <= self.keep_after - self.newest_kept)
@@ -238,8 +231,7 @@ class RPCPolicy(KVPolicy):
     def score(self, obs: Observation) -> torch.Tensor:
         """`[n, Hkv, S]`: `rpc_scores` of the slots neither protected nor free, -inf elsewhere."""
         candidates = obs.valid & ~self.protected(obs)
-        newest = newest_held(obs.positions, obs.valid)
-        queries, _, query_valid = self.history.recent(obs.layer, newest, obs.rows, self.newest_kept)
+        queries, _, query_valid = obs.queries(self.newest_kept)
         weights = selector_weights(self.newest_kept, self.selectors).to(queries.device) * query_valid
         return rpc_scores(queries, weights, obs.keys, candidates, kernel=self.kernel, pooling=self.pooling,
                           aggregation=self.aggregation)
@@ -287,8 +279,9 @@ class RPCPolicy(KVPolicy):
     @torch.no_grad()
     def compress_to(self, rows: list[int], kept: int) -> None:
         """Keeps the protected slots and the `kept` best candidates of `rows`, in every layer."""
-        index = torch.tensor(rows, dtype=torch.long, device=self.spec.device)
+        index = self.row_index(rows)
+        newest = self.written(index)
         for layer in range(self.spec.layers):
-            obs = Observation(self, layer, rows=index)
+            obs = Observation(self, layer, rows=index, newest=newest)
             keep = (self.protected(obs) & obs.valid) | top_candidates(self.score(obs), kept)
             self.slots.compact(layer, index, keep)

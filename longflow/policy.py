@@ -141,6 +141,15 @@ def keep_after_cut(name: str, budget: int, compress_every: int, least_kept: int)
     return budget - shrink_interval(name, budget, compress_every, least_kept)
 
 
+def device_index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Host ints as an int64 tensor `[n]` on `device`, without a host sync: on CUDA through pinned
+    memory and an asynchronous copy (a copy from pageable memory waits for the stream to drain)."""
+    index = torch.tensor(list(values), dtype=torch.long)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def one_of(name: str, field_name: str, value: Any, choices: Sequence) -> None:
     """Raises the UserError of a config field whose value is not among `choices`."""
     if value not in choices:
@@ -367,6 +376,9 @@ class KVPolicy:
     # A step-schedule method whose `score` reads the step's attention probabilities (`Observation.probs`);
     # without them its decode attention is flash decoding on CUDA, which computes none.
     step_probs: ClassVar[bool] = True
+    # Whether `score` of a prompt (`PromptObservation`, `prefill: by_score`) reads no per-slot state even
+    # though the method keeps some (LKV: its state is the score it computes from a slot's own token).
+    prompt_score_is_stateless: ClassVar[bool] = False
     # Whether the run's `budget` bounds this method (False: the full cache, which holds every token
     # and records no budget). `build_policy` reads it, so no caller decides by the method's name.
     uses_budget: ClassVar[bool] = True
@@ -538,7 +550,7 @@ class KVPolicy:
                 raise UserError(f"{self.name}: layer {layer}'s head capacities {caps} must be {spec.kv_heads} "
                                 f"numbers in [2, {capacities[layer]}]")
         states = self.slot_state()
-        if self.prefill == "by_score" and states:
+        if self.prefill == "by_score" and states and not self.prompt_score_is_stateless:
             raise UserError(f"{self.name}: prefill=by_score applies the score to the prompt, which has no per-slot "
                             f"state ({', '.join(states)}); use prefill=snapkv")
         slots = SlotCache(spec.batch, spec.kv_heads, spec.head_dim, spec.dtype, spec.device, capacities,
@@ -744,23 +756,33 @@ class KVPolicy:
     def compress(self, rows: list[int]) -> None:
         """Cut the given rows (all slots held) to `keep_after` slots, in every layer (host hook).
 
-        `keep_after`: set by every interval method (its capacity minus its interval)."""
+        `keep_after`: set by every interval method (its capacity minus its interval). No host sync:
+        the row index goes to the device asynchronously (`row_index`), and when every row is cut
+        (rows in step, the common case) the scores and the compaction work on the buffers themselves."""
         self.slots.record_peak()  # the rows are full: their peak, before the cut frees slots
-        index = torch.tensor(rows, dtype=torch.long, device=self.spec.device)
+        index = self.row_index(rows)
         for layer, keep in zip(range(self.spec.layers), self.keep_masks(index), strict=True):
             self.slots.compact(layer, index, keep)
 
-    def keep_masks(self, rows: torch.Tensor) -> Iterator[torch.Tensor]:
-        """The slots a compression of `rows` `[n]` keeps in each layer, `[n, Hkv, S]` bool, layer by
-        layer (a method that scores several layers at once overrides this)."""
+    def row_index(self, rows: Sequence[int]) -> torch.Tensor | None:
+        """Host row numbers as the `[n]` index of an `Observation` or a compaction: None when they are
+        every row of the batch in order, else `device_index(rows)`."""
+        if list(rows) == list(range(self.spec.batch)):
+            return None
+        return device_index(rows, self.spec.device)
+
+    def keep_masks(self, rows: torch.Tensor | None) -> Iterator[torch.Tensor]:
+        """The slots a compression of `rows` `[n]` (None: every row) keeps in each layer, `[n, Hkv, S]`
+        bool, layer by layer (a method that scores several layers at once overrides this)."""
         newest = self.written(rows)
         for layer in range(self.spec.layers):
             yield self.keep_mask(Observation(self, layer, rows=rows, newest=newest), self.keep_after)
 
-    def written(self, rows: torch.Tensor) -> torch.Tensor:
-        """The position of the newest token `rows` `[n]` hold, between steps: the engine's positions
-        have moved on to the token the next step writes by the time `after_step` runs."""
-        return self.positions.index_select(0, rows) - 1
+    def written(self, rows: torch.Tensor | None) -> torch.Tensor:
+        """The position of the newest token `rows` `[n]` (None: every row) hold, between steps: the
+        engine's positions have moved on to the token the next step writes by the time `after_step` runs."""
+        positions = self.positions if rows is None else self.positions.index_select(0, rows)
+        return positions - 1
 
     def keep_mask(self, obs: Observation, count: int) -> torch.Tensor:
         """The slots a compression keeps, `[n, Hkv, S]` bool: `count` of them by the selection rule."""

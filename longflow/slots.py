@@ -171,6 +171,7 @@ class SlotCache:
                 slots.state[name][:, :, :count] = spec.on_write(slots.values[:, :, :count]).to(spec.dtype)
         self.next_slot[layer].copy_(first_free(slots.valid, slots.usable))
 
+    @torch.no_grad()  # a move within the buffers; a forward run with gradients on may have stored into them
     def compact(self, layer: int, rows: torch.Tensor | None, keep: torch.Tensor,
                 rank: torch.Tensor | None = None) -> None:
         """Move the kept slots of `rows` to the low slots and free the rest; the next slot is the first free.
@@ -180,7 +181,10 @@ class SlotCache:
             keep: `[n, Hkv, S]` bool, the slots kept.
             rank: `[n, Hkv, S]`, the order of the kept slots (ascending, stable); their positions when None.
 
-        One gather within the static buffers; freed slots are zeroed, their state set to its fill.
+        K and V, the bytes that count, take two passes when every row is cut (a gather of the kept
+        slots, then the write back with the freed ones zeroed: a move within one buffer needs a
+        copy), three for some rows (the rows' kept slots by one indexing read, the zeroing, the
+        write into the rows). Freed slots are zeroed, their state set to its fill.
         """
         slots = self.layers[layer]
 
@@ -191,15 +195,18 @@ class SlotCache:
         key = positions if rank is None else rank
         order = torch.where(keep, key, torch.iinfo(torch.long).max).argsort(dim=-1, stable=True)  # [n, Hkv, S]
         kept = keep.gather(-1, order)
-        gather = order[..., None].expand(-1, -1, -1, slots.keys.shape[-1])
-        new = {
-            "keys": select(slots.keys).gather(2, gather).masked_fill(~kept[..., None], 0.0),
-            "values": select(slots.values).gather(2, gather).masked_fill(~kept[..., None], 0.0),
-            "valid": kept,
-            "positions": positions.gather(-1, order).masked_fill(~kept, -1),
-        }
-        for name, tensor in new.items():
-            self._assign(getattr(slots, name), rows, tensor)
+        if rows is None:
+            gather = order[..., None].expand(-1, -1, -1, slots.keys.shape[-1])
+            for buffer in (slots.keys, slots.values):
+                torch.where(kept[..., None], buffer.gather(2, gather), buffer.new_zeros(()), out=buffer)
+        else:
+            # One indexing read of the rows' kept slots instead of a row copy and a gather.
+            heads = torch.arange(order.shape[1], device=order.device)[None, :, None]
+            for buffer in (slots.keys, slots.values):
+                moved = buffer[rows[:, None, None], heads, order]  # [n, Hkv, S, D]
+                buffer.index_copy_(0, rows, moved.masked_fill_(~kept[..., None], 0.0))
+        self._assign(slots.valid, rows, kept)
+        self._assign(slots.positions, rows, positions.gather(-1, order).masked_fill(~kept, -1))
         for name, spec in self.states.items():
             state = slots.state[name]
             self._assign(state, rows, select(state).gather(-1, order).masked_fill(~kept, spec.fill))

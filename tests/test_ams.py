@@ -149,7 +149,7 @@ def test_round_robin_is_the_loop():
     generator = torch.Generator().manual_seed(0)
     capacity = torch.randint(0, 6, (300, 7), generator=generator)
     count = torch.randint(0, 30, (300,), generator=generator)
-    got = round_robin(capacity, count)
+    got = round_robin(capacity, count, 5)
     for line in range(300):
         given, left = [0] * 7, int(count[line])
         while left and any(given[i] < capacity[line, i] for i in range(7)):
@@ -188,7 +188,7 @@ class FixedScore(KVPolicy):
     name = "fixed"
 
     def score(self, obs):
-        return self.scores.index_select(0, obs.rows)
+        return self.scores if obs.rows is None else self.scores.index_select(0, obs.rows)
 
 
 def full_cache(policy: AMSPolicy, batch=2, kv_heads=2, q_heads=4, slots=64, head_dim=8, seed=0):

@@ -155,7 +155,7 @@ def test_the_score_rotates_the_beacons_to_the_current_position():
     policy = BeaconKVPolicy(64, **FIELDS)
     before, pad, _ = drive(policy, steps=3)
     rows = torch.arange(2)
-    score = policy.score(Observation(policy, 0, rows=rows))
+    score = policy.score(Observation(policy, 0, rows=rows, newest=policy.written(rows)))  # as at a compression
     slots = policy.layers[0]
     group = Q_HEADS // KV_HEADS
     for row in range(2):

@@ -142,6 +142,11 @@ def test_main_writes_the_figure_csv_and_validation(tmp_path, one_thread):
     # Prompt 16 in 32 slots, cut to 24 every 8 steps: after decode steps 15, 23 and 31 of 39.
     assert set(table.loc[table["method"] == "rkv", "compressions"]) == {3}
     assert set(table.loc[table["method"] == "vanilla", "compressions"]) == {0}
+    rkv = table[table["method"] == "rkv"]
+    assert (rkv["compressions_timed"] >= 1).all()  # the window at the first compression
+    assert ((rkv["compressions_ms_total"] - 3 * rkv["compression_ms"]).abs() < 1e-9).all()
+    assert (rkv["compressions_share"] - rkv["compressions_ms_total"] / 1e3 / rkv["seconds"]).abs().max() < 1e-12
+    assert (table.loc[table["method"] == "vanilla", ["compressions_timed", "compressions_ms_total"]] == 0).all().all()
     assert (tmp_path / "fig3.png").stat().st_size > 10_000
 
     (tmp_path / "fig3.png").unlink()

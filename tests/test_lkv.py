@@ -13,10 +13,11 @@ from helpers import LONG_TEXTS, capped, drive_layer, generate, tiny_model
 from safetensors.torch import load_file, save_file
 from transformers import AttentionInterface
 
-from baselines.lkv import PARAMETERS, LKVPolicy, head_budgets, prior_parameters, slot_features
+from baselines.lkv import PARAMETERS, LKVPolicy, head_budgets, prior_parameters, slot_features, token_scores
 from evals.canary.train_lkv import ATTENTION, SoftEviction, capacities, hard_topk, soft_topk
 from longflow.cache import ATTENTION_NAME
 from longflow.errors import UserError
+from longflow.policy import PromptObservation
 
 
 def weights_file(tmp_path, layers, kv_heads, head_dim, budget_logits, w_linear=None, hidden=4, seed=0):
@@ -113,6 +114,38 @@ def test_every_head_within_its_capacity_at_every_step(tmp_path):
     full = [slots.valid.sum(dim=-1)[0].tolist() for slots in policy.layers]
     assert full == policy.head_slots  # after 60 steps every head is full, at its own capacity
     assert max(result.peak_slots) == max(policy.layer_slots)
+
+
+class Recomputed(LKVPolicy):
+    """LKV whose decode step scores every slot again from its key, value and position (the rule
+    without a stored score), checking the stored scores of the held slots against that first."""
+
+    def score(self, obs):
+        valid = obs.valid
+        fresh = token_scores(slot_features(obs.keys, obs.values, obs.positions),
+                             *(self.params[name][obs.layer] for name in PARAMETERS[1:]))
+        if not isinstance(obs, PromptObservation):
+            torch.testing.assert_close(obs.state("score")[valid], fresh[valid], rtol=1e-6, atol=1e-6)
+            self.checked += int(valid.sum())
+        return fresh
+
+
+def test_stored_scores_are_the_per_step_recomputation(tmp_path):
+    """The score stored when a slot is written (prompt and decode tokens, across evictions) equals its
+    recomputation at every later step, and the tokens are those of the recomputing rule."""
+    model, tokenizer = tiny_model("qwen3")
+    path = weights_file(tmp_path, 2, 2, 16, [[0.4, -0.3], [0.0, 0.2]])
+    made = []
+
+    def recomputed():
+        made.append(Recomputed(24, weights=path))
+        made[-1].checked = 0
+        return made[-1]
+
+    _, stored = generate((model, tokenizer), lambda: LKVPolicy(24, weights=path), LONG_TEXTS, max_new_tokens=40)
+    _, fresh = generate((model, tokenizer), recomputed, LONG_TEXTS, max_new_tokens=40)
+    assert made[0].checked > 0
+    assert stored.tokens == fresh.tokens
 
 
 def test_a_file_of_another_shape(tmp_path):

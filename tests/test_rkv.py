@@ -276,6 +276,27 @@ def test_scores_match_reference_with_free_slots_among_the_held():
     assert_scores_match(scores, reference, held, protect)
 
 
+@pytest.mark.parametrize("slots", [1, 2, 3, 7, 40])
+def test_newest_duplicates_by_hand(slots):
+    """Each row's largest j != i with u_i . u_j > threshold (slot S - 1 and 0 without one), free slots
+    (zero unit keys) among them, at slot counts that the similarity blocks do not divide."""
+    from baselines.rkv import newest_duplicates
+
+    generator = torch.Generator().manual_seed(slots)
+    keys = torch.randn(2, 2, slots, 6, generator=generator) + torch.randn(2, 2, 1, 6, generator=generator)
+    unit = keys / keys.norm(dim=-1, keepdim=True)
+    unit[0, 1, ::3] = 0.0  # free slots
+    index, similarity = newest_duplicates(unit, 0.5)
+    for b in range(2):
+        for h in range(2):
+            for i in range(slots):
+                above = [j for j in range(slots) if j != i and float(unit[b, h, i] @ unit[b, h, j]) > 0.5]
+                expected = max(above, default=slots - 1)
+                assert int(index[b, h, i]) == expected
+                value = float(unit[b, h, i] @ unit[b, h, expected]) if above else 0.0
+                assert math.isclose(float(similarity[b, h, i]), value, rel_tol=1e-5, abs_tol=1e-6)
+
+
 def test_scores_reach_the_threshold_rule():
     """The case exercises duplicates: some rows have several keys above the threshold, some none."""
     queries, query_valid, keys, held = random_case(0, 8, 2, slots=40, window=8, pads=[0, 3, 11])
@@ -340,6 +361,61 @@ def test_decode_compression_keeps_the_top_scored(variant, chunked, monkeypatch):
                 assert int((chosen & candidate).sum()) == n - policy.protect
                 assert score[chosen & candidate].min() >= score[~chosen & candidate].max() - 1e-6
         assert policy.next_slot[layer][[0, 2]].eq(policy.keep_after).all()
+
+
+def keep_by_hand(score, protect, count):
+    """The cut's rule for one row and head, from the transcription's scores `[S]` (nan = not a
+    candidate): the `protect` newest slots, then the best candidates (ties: the higher slot)."""
+    slots = len(score)
+    newest = set(range(slots - protect, slots))
+    ranked = sorted((j for j in range(slots) if not math.isnan(float(score[j]))), key=lambda j: (-float(score[j]), -j))
+    return sorted(newest | set(ranked[:count - protect]))
+
+
+@pytest.mark.parametrize("cut", [[0, 1, 2, 3], [0, 2, 3]], ids=["every_row", "full_rows"])
+def test_a_batched_cut_is_the_per_row_transcription(cut):
+    """Rows at different fill levels and positions (row 1 holds fewer slots when it is not cut), cut
+    together: each cut row keeps what the transcription of the rule keeps for it alone."""
+    spec = CacheSpec(batch=4, layers=2, q_heads=8, kv_heads=2, head_dim=16, prompt_len=30, max_new_tokens=8,
+                     dtype=torch.float32, device=torch.device("cpu"))
+    policy = RKVPolicy(budget=24, compress_every=8)
+    policy.allocate(spec)
+    slots_n, window, keep = policy.slots_held, policy.queries_held, policy.keep_after
+    held = torch.tensor([slots_n, slots_n if 1 in cut else slots_n - 5, slots_n, slots_n])
+    offsets = torch.tensor([30, 7, 55, 12])
+    generator = torch.Generator().manual_seed(3)
+    saved = []
+    for layer, slots in enumerate(policy.layers):
+        # No exact duplicates: their tied scores would be ordered by rounding, float32 against float64.
+        queries, _, keys, _ = random_case(10 + layer, 8, 2, slots=slots_n, window=window, pads=[0] * 4,
+                                          duplicates=False)
+        slots.keys.copy_(keys)
+        slots.values.copy_(torch.randn(slots.values.shape, generator=generator))
+        slots.valid.copy_((torch.arange(slots_n) < held[:, None])[:, None, :].expand(4, 2, slots_n))
+        slots.positions.copy_(torch.where(slots.valid, (offsets[:, None] + torch.arange(slots_n))[:, None, :], -1))
+        policy.history.rings[layer].copy_(queries)
+        saved.append({name: getattr(slots, name).clone() for name in ("keys", "values", "valid", "positions")})
+    policy.begin_decode(offsets + held)  # the engine's positions: the token the next step writes
+    policy.compress(cut)
+
+    every = torch.ones(1, window, dtype=torch.bool)
+    for layer, slots in enumerate(policy.layers):
+        before = saved[layer]
+        for row in range(4):
+            if row not in cut:
+                for name, tensor in before.items():
+                    assert getattr(slots, name)[row].equal(tensor[row])
+                continue
+            reference = reference_scores(policy.history.rings[layer][row:row + 1], every,
+                                         before["keys"][row:row + 1], before["valid"][row:row + 1], policy.scale,
+                                         policy.protect, policy.pool_kernel, policy.lam, policy.threshold)[0]
+            for head in range(2):
+                kept = keep_by_hand(reference[head], policy.protect, keep)
+                assert slots.positions[row, head, :keep].tolist() == [int(offsets[row]) + j for j in kept]
+                assert slots.keys[row, head, :keep].equal(before["keys"][row, head, kept])
+                assert slots.values[row, head, :keep].equal(before["values"][row, head, kept])
+                assert slots.valid[row, head].tolist() == [True] * keep + [False] * (slots_n - keep)
+                assert slots.keys[row, head, keep:].eq(0).all() and slots.positions[row, head, keep:].eq(-1).all()
 
 
 @pytest.mark.parametrize("budget_mode", MODES)

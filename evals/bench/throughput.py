@@ -9,7 +9,10 @@ The model is built from `conf/model/<name>.yaml` with random weights and fed ran
 `--prompt` tokens; EOS is ignored, so every row generates `--new` tokens. The compressing methods
 run at `--budget` slots, by default `--budget-fraction` (20%) of prompt + new tokens rounded to a
 multiple of 16. Writes `fig3.csv` (one row per method and batch that fits) and `fig3.png`. No
-Hydra: the GPU image lacks it.
+Hydra: the GPU image lacks it. An interval method's compressions have columns of their own:
+`compressions` (over the output), `compression_ms` (what one adds to its step, the mean over the
+`compressions_timed` that fell in the timed windows), `compressions_ms_total` (their product) and
+`compressions_share` (of the output's time).
 
 Throughput of a batch without decoding all its steps. A decode step's cost depends on how full the
 cache is (vanilla reads every filled slot; a compressing method grows until its budget is full,
@@ -196,12 +199,18 @@ class Estimate:
     points: np.ndarray  # the timed steps (window midpoints)
     step_seconds: np.ndarray  # mean time of a step without compression there
     compressions: int  # over the whole output
-    compression_seconds: float  # added by one compression
+    compression_seconds: float  # added by one compression: the mean over the timed ones
+    compressions_timed: int  # the compressions that fell in the timed windows
     peak_memory_bytes: int | None
+
+    @property
+    def compressions_seconds(self) -> float:
+        """The whole output's compressions: their count x the time one adds."""
+        return self.compressions * self.compression_seconds
 
     def total_seconds(self, new_tokens: int) -> float:
         return (self.setup_seconds + self.first_seconds + step_sum(self.points, self.step_seconds, 1, new_tokens - 1)
-                + self.compressions * self.compression_seconds)
+                + self.compressions_seconds)
 
 
 def timed_steps(engine: Engine, cache, state, generation, graph, steps: range) -> list[float]:
@@ -270,6 +279,7 @@ def measure(engine: Engine, factory: Callable[[], KVPolicy], prompts: list[list[
     return Estimate(
         setup_seconds=setup, first_seconds=eager + capture, points=np.array(points), step_seconds=np.array(seconds),
         compressions=int(compresses[1:].sum()), compression_seconds=float(np.mean(extra)) if extra else 0.0,
+        compressions_timed=len(extra),
         peak_memory_bytes=torch.cuda.max_memory_allocated(device) if on_gpu else None,
     )
 
@@ -298,7 +308,10 @@ def estimate_row(method: str, budget: int | None, batch: int, setting: Setting, 
         "tokens_per_s": batch * setting.new_tokens / seconds, "seconds": seconds,
         "setup_s": estimate.setup_seconds, "step_ms_first": estimate.step_seconds[0] * 1e3,
         "step_ms_last": estimate.step_seconds[-1] * 1e3, "compressions": estimate.compressions,
-        "compression_ms": estimate.compression_seconds * 1e3, "peak_memory_gib": peak / 2**30 if peak else None,
+        "compression_ms": estimate.compression_seconds * 1e3, "compressions_timed": estimate.compressions_timed,
+        "compressions_ms_total": estimate.compressions_seconds * 1e3,
+        "compressions_share": estimate.compressions_seconds / seconds,
+        "peak_memory_gib": peak / 2**30 if peak else None,
     }
 
 
