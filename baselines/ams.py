@@ -114,7 +114,8 @@ def segments(mass: torch.Tensor, step: float, min_len: int, max_len: int) -> tor
     targets = torch.arange(step, 1.0, step, dtype=mass.dtype, device=device)
     cuts = torch.searchsorted(mass.cumsum(dim=-1), targets.expand(lines, -1).contiguous()).clamp(1, slots - 1)
     boundary = torch.zeros(lines, slots + 1, dtype=torch.bool, device=device)
-    boundary[:, [0, slots]] = True
+    boundary[:, 0] = True  # two fills, not an index list (a copy from host memory the host waits on)
+    boundary[:, slots] = True
     boundary.scatter_(1, cuts, True)
     index = torch.arange(slots + 1, device=device).expand(lines, -1)
     start = torch.where(boundary, index, 0).cummax(dim=1).values  # start of each position's segment

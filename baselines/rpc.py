@@ -62,13 +62,14 @@ SELECTORS = ("recent", "new")
 PROMPT = "prompt"  # per-slot state: the slot holds a prompt token
 
 
-def selector_weights(window: int, selectors: str) -> torch.Tensor:
-    """`[W]` float32, oldest first: the weight of each of the W newest queries in the score.
+def selector_weights(window: int, selectors: str, device: torch.device | str | None = None) -> torch.Tensor:
+    """`[W]` float32 on `device`, oldest first: the weight of each of the W newest queries in the score.
 
     `recent`: the official selectors, the W - 1 newest queries with the newest counted twice
-    (W = 1: the newest once); `new`: the newest alone.
+    (W = 1: the newest once); `new`: the newest alone. Made where it is used: a copy from host
+    memory at every compression would make the host wait for the device.
     """
-    weights = torch.zeros(window)
+    weights = torch.zeros(window, device=device)
     weights[-1] = 1.0
     if selectors == "recent" and window > 1:
         weights[1:] = 1.0
@@ -232,7 +233,7 @@ class RPCPolicy(KVPolicy):
         """`[n, Hkv, S]`: `rpc_scores` of the slots neither protected nor free, -inf elsewhere."""
         candidates = obs.valid & ~self.protected(obs)
         queries, _, query_valid = obs.queries(self.newest_kept)
-        weights = selector_weights(self.newest_kept, self.selectors).to(queries.device) * query_valid
+        weights = selector_weights(self.newest_kept, self.selectors, queries.device) * query_valid
         return rpc_scores(queries, weights, obs.keys, candidates, kernel=self.kernel, pooling=self.pooling,
                           aggregation=self.aggregation)
 
