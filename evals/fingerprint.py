@@ -1,5 +1,6 @@
 """What code made a run: a hash of the source of the method's classes and of the library on the
-decode path, and the git state (commit, whether the tree was dirty, a hash of the uncommitted diff).
+decode path and of the files its method reads (a calibration, learned weights), and the git state
+(commit, whether the tree was dirty, a hash of the uncommitted diff).
 
 A run's identity covers its config, not its code (a fix must not orphan every run), so a run
 resumed after its method or the library changed would mix outputs of two programs and print the
@@ -46,6 +47,19 @@ def policy_sources(policy: Any) -> list[Path]:
     return sorted(path for path in files if not any(folder in path.parents for folder in excluded))
 
 
+def policy_files(policy: Any) -> list[Path]:
+    """The files the policy's fields name (a calibration, learned weights): a run made with other
+    contents under the same path is another run's continuation as much as one made by other code."""
+    files = set()
+    for value in vars(policy).values():
+        if isinstance(value, str) and value:
+            for path in (Path(value), REPO / value):
+                if path.is_file():
+                    files.add(path.resolve())
+                    break
+    return sorted(files)
+
+
 def library_sources() -> list[Path]:
     return sorted((REPO / LIBRARY).rglob("*.py"))
 
@@ -89,7 +103,7 @@ def uncommitted_changes() -> str | None:
 def code_record(policy: Any) -> dict[str, Any]:
     """The code of a run start: `fingerprint` (one hash of `files`), `files` (each source's hash),
     `git_commit`, `dirty` (uncommitted changes; None outside git) and `diff` (hash of `git diff HEAD`)."""
-    files = source_hashes([*policy_sources(policy), *library_sources()])
+    files = source_hashes([*policy_sources(policy), *library_sources(), *policy_files(policy)])
     status = uncommitted_changes()
     diff = git("diff", "HEAD") if status else None
     commit = git("rev-parse", "HEAD")

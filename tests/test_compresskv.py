@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +218,17 @@ def test_config():
     assert fields.pop("budget_scope") == "total"
     assert fields == method_defaults(CompressKVPolicy)
     assert isinstance(policy_of("compresskv", 64), CompressKVPolicy)
+
+
+def test_a_run_knows_the_calibration_it_read(tmp_path):
+    """The code fingerprint covers the file a policy's field names: a run resumed after the
+    calibration was remade under the same path is refused like one resumed by edited code."""
+    from evals.fingerprint import code_record
+
+    path = synthetic_calibration(tmp_path, 2, 4, seed=0)
+    before = code_record(CompressKVPolicy(16, calibration=path))
+    assert str(Path(path).resolve()) in before["files"]
+    synthetic_calibration(tmp_path, 2, 4, seed=1)  # the same path, other scores
+    after = code_record(CompressKVPolicy(16, calibration=path))
+    assert after["fingerprint"] != before["fingerprint"]
+    assert code_record(CompressKVPolicy(16))["fingerprint"] != before["fingerprint"]
