@@ -162,6 +162,7 @@ class Engine:
         """
         policy = cache.policy
         observes = policy.observes
+        every_position = policy.prefilling and "prompt_logits" in observes
         model = self.model if policy.prefilling or self.decode_forward is None else self.decode_forward
         output = model(
             input_ids=input_ids,
@@ -169,11 +170,12 @@ class Engine:
             past_key_values=cache,
             kv_cache=cache,
             use_cache=True,
-            logits_to_keep=0 if policy.prefilling and "prompt_logits" in observes else 1,
-            output_hidden_states="hidden_states" in observes,
+            logits_to_keep=1,
+            output_hidden_states="hidden_states" in observes or every_position,
         )
         if observes:
-            policy.observe(output.logits, output.hidden_states)
+            logits = PromptLogits(self.model, output.hidden_states[-1]) if every_position else output.logits
+            policy.observe(logits, output.hidden_states if "hidden_states" in observes else None)
         return output.logits[:, -1]
 
     def prefill(self, cache, state, input_ids, pad, generation, full: PolicyCache | None = None) -> None:
@@ -472,6 +474,31 @@ class Engine:
             tokens.append(ids)
             reasons.append("eos" if ended else "length")
         return tokens, reasons
+
+
+class PromptLogits:
+    """The logits of every prompt position `[B, L, V]`, computed from the final hidden states
+    `[B, L, hidden]` for the positions an index asks for. A prompt's logits materialised at once
+    are B x L x V (64 x 512 x 151,936 in bf16: 10 GiB for Qwen3-8B); a policy that reads them in
+    chunks of positions (InfoKV's entropies) holds one chunk's. `[...]` indexes like the tensor;
+    `clone()` materialises the whole."""
+
+    def __init__(self, model: PreTrainedModel, hidden: torch.Tensor):
+        self.head = model.get_output_embeddings()
+        # The logit soft-capping some architectures apply after the head (none of Llama, Qwen2, Qwen3).
+        self.softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+        self.hidden = hidden
+        self.shape = torch.Size((*hidden.shape[:2], self.head.out_features))
+
+    def __getitem__(self, index) -> torch.Tensor:
+        index = index if isinstance(index, tuple) else (index,)
+        logits = self.head(self.hidden[index[:2]])
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits[(..., *index[2:])] if len(index) > 2 else logits
+
+    def clone(self) -> torch.Tensor:
+        return self[:, :]
 
 
 def prompt_positions(pad: torch.Tensor) -> torch.Tensor:

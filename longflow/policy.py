@@ -524,8 +524,10 @@ class KVPolicy:
 
     def observe(self, logits: torch.Tensor, hidden_states: tuple[torch.Tensor, ...] | None) -> None:
         """The forward's logits `[B, Lq, V]` (the last position only, unless `prompt_logits` is observed
-        at prefill) and, when `hidden_states` is observed, every layer's input and the final norm's
-        input, `[B, Lq, hidden]` each. Runs inside the captured decode step: copy into static buffers."""
+        at prefill: then every prompt position's, as a `longflow.engine.PromptLogits` that computes
+        the positions an index asks for) and, when `hidden_states` is observed, every layer's input and
+        the final norm's output, `[B, Lq, hidden]` each. Runs inside the captured decode step: copy
+        into static buffers."""
 
     # ---- the slot cache ----------------------------------------------------------------------
 

@@ -240,3 +240,18 @@ def test_calibration_files(tmp_path):
     (tmp_path / "bad.pt").write_text("not a tensor file")
     with pytest.raises(UserError, match="unreadable"):
         load_calibration(str(tmp_path / "bad.pt"), "ea", ["query_mean"])
+
+
+def test_prompt_logits_are_the_models_logits_at_every_index(tiny):
+    """`PromptLogits` computes only the positions an index asks for; each is the model's logit."""
+    from longflow.engine import PromptLogits
+
+    model, _ = tiny
+    ids = torch.randint(0, 100, (2, 11))
+    with hf_attention(model), torch.no_grad():
+        output = model(ids, output_hidden_states=True, logits_to_keep=0)
+        lazy = PromptLogits(model, output.hidden_states[-1])
+        assert lazy.shape == output.logits.shape
+        for index in [(slice(None), slice(3, 7)), (slice(None), -1), (0, 4, 5), (1, slice(None), slice(0, 9))]:
+            torch.testing.assert_close(lazy[index], output.logits[index], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lazy.clone(), output.logits, rtol=1e-5, atol=1e-5)
