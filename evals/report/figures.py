@@ -545,6 +545,7 @@ AGREEMENT_RANGE = (50.0, 100.0)  # % top-1 agreement: below half, a method has l
 KL_FLOOR = 1e-3  # nats: smaller running KL is drawn as this (a log scale has no 0)
 ROW_INCHES = 0.22  # per method row of a heatmap
 DIVERGENCE_COLOR = "red"  # stands out on both colour maps
+COLORBAR_INCHES = 1.1  # the two colour bars under the columns, with their labels
 
 
 def fidelity_curves(runs: pd.DataFrame, key: str) -> tuple[list[str], np.ndarray]:
@@ -580,7 +581,7 @@ def plot_fidelity(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
     cells.sort(key=lambda cell: (cell[0], order.index(cell[1]), cell[2]))
     heights = [max(1.6, ROW_INCHES * len(runs[(runs["model"] == m) & (runs["items"] == i) & (runs["budget_rank"] == r)])
                    + 0.9) for m, i, r, _ in cells]
-    figure = Figure(figsize=(2 * PANEL[0] + 2.2, sum(heights)), layout="constrained")
+    figure = Figure(figsize=(2 * PANEL[0] + 1.2, sum(heights) + COLORBAR_INCHES), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(cells), 2, squeeze=False, gridspec_kw={"height_ratios": heights})
     agreement_map, kl_map = None, None
@@ -603,8 +604,12 @@ def plot_fidelity(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
             ax.set_xlabel(f"output step (mean over the last {FIDELITY_WINDOW})")
         left.set_title(f"{label_of(runs, model)}: {dataset}, budget {budget}: top-1 agreement (%)", fontsize=10)
         right.set_title(f"budget {budget}: KL(full || method), nats", fontsize=10)
-    figure.colorbar(agreement_map, ax=axes[:, 0].tolist(), label="top-1 agreement (%)", shrink=0.8)
-    figure.colorbar(kl_map, ax=axes[:, 1].tolist(), label="KL(full || method), nats", shrink=0.8)
+    # Under each column: beside it, the first column's bar and label ran into the second's panels and
+    # the second's label off the canvas.
+    figure.colorbar(agreement_map, ax=axes[:, 0].tolist(), label="top-1 agreement (%)", location="bottom",
+                    shrink=0.8, aspect=40)
+    figure.colorbar(kl_map, ax=axes[:, 1].tolist(), label="KL(full || method), nats", location="bottom",
+                    shrink=0.8, aspect=40)
     marker = Line2D([], [], linestyle="none", marker="|", markersize=9, color=DIVERGENCE_COLOR, markeredgewidth=1.5)
     figure.legend([marker], [f"first step below {FIDELITY_THRESHOLD:.0%} agreement"], loc="outside lower center",
                   frameon=False)
