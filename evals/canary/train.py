@@ -24,6 +24,7 @@ Everything lands in `<out>/train_log.json` (config, environment, loss curve, acc
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import platform
@@ -242,15 +243,8 @@ def train(config: TrainConfig, out: Path, device: torch.device) -> dict:
         run = fit(config, model, batches, heldout, device)
     finally:  # whatever happened, keep the weights
         model.eval()
-        model.to(torch.bfloat16)
-        model.config.use_cache = True
-        model.generation_config.eos_token_id = tokenizer.eos_token_id
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-        model.generation_config.bos_token_id = None
-        out.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
-    model.float()  # bf16-rounded weights, float32 arithmetic: the harness on a CPU
+        save_weights(model, tokenizer, out)
+    model.to(torch.bfloat16).float()  # bf16-rounded weights, float32 arithmetic: the harness on a CPU
 
     start = time.perf_counter()
     forced = teacher_forced(model, batches, heldout)
@@ -263,14 +257,32 @@ def train(config: TrainConfig, out: Path, device: torch.device) -> dict:
     log = {
         "config": asdict(config), "task": asdict(task), "parameters": params,
         **{key: value for key, value in run.items() if key != "curve"},
-        "environment": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                        "torch": torch.__version__, "transformers": transformers.__version__,
-                        "python": platform.python_version()},
+        "environment": environment(device),
         "heldout_teacher_forced": forced, "heldout_greedy": greedy, "curve": run["curve"],
     }
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
     plot_curve(log, out / "loss_curve.png")
     return log
+
+
+def save_weights(model, tokenizer, out: Path) -> None:
+    """The model in bf16 (from a copy: the caller's model is left as it is) with its generation
+    config set for the harness's tokenizer, and the tokenizer, into the folder `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    rounded = copy.deepcopy(model).to(torch.bfloat16)
+    rounded.config.use_cache = True
+    rounded.generation_config.eos_token_id = tokenizer.eos_token_id
+    rounded.generation_config.pad_token_id = tokenizer.pad_token_id
+    rounded.generation_config.bos_token_id = None
+    rounded.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def environment(device: torch.device) -> dict:
+    """What a training log records of where it ran."""
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
 
 
 def plot_curve(log: dict, path: Path) -> Path:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -47,7 +46,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import transformers
 from safetensors.torch import save_file
 from transformers import AttentionInterface, AutoTokenizer, Qwen3ForCausalLM
 
@@ -55,6 +53,7 @@ from baselines.lkv import PARAMETERS, head_budgets, prior_parameters, slot_featu
 from evals.canary.batches import LINE_TOKENS
 from evals.canary.families import FAMILIES, MAX_STEPS, MIN_STEPS
 from evals.canary.suite_batches import FamilyBatches, heldout_mask, suite_batches
+from evals.canary.train import environment
 from evals.canary.train_suite import prompt_length, teacher_forced
 from evals.configs import model_spec
 from evals.pipeline import checkpoint_fingerprint
@@ -272,8 +271,7 @@ def train(config: LKVTrainConfig, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     log = {"config": asdict(config),
            "model": {"name": spec.name, "hub_id": spec.hub_id, "checkpoint": checkpoint_fingerprint(spec.hub_id)},
-           "environment": {"device": "cpu", "threads": config.threads, "torch": torch.__version__,
-                           "transformers": transformers.__version__, "python": platform.python_version()}}
+           "environment": {**environment(torch.device("cpu")), "threads": config.threads}}
 
     def checkpoint(run: dict) -> None:
         params = {name: tensor.detach().contiguous() for name, tensor in student.params.items()}

@@ -20,9 +20,7 @@ are rewritten at every curve point, so a run cut short leaves its last state.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
-import platform
 import re
 import sys
 import time
@@ -30,14 +28,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import Qwen3ForCausalLM
 
 from evals.canary import vocabulary
 from evals.canary.batches import LINE_TOKENS
 from evals.canary.families import FAMILIES, HELDOUT_SIZE, MAX_STEPS, heldout
 from evals.canary.suite_batches import FamilyBatches, heldout_mask, suite_batches
-from evals.canary.train import CALIBRATION_STEPS, TrainConfig, learning_rate, output_loss, sync
+from evals.canary.train import (
+    CALIBRATION_STEPS,
+    TrainConfig,
+    environment,
+    learning_rate,
+    output_loss,
+    save_weights,
+    sync,
+)
 from evals.datasets import Item
 from evals.prompts import build_messages, render_prompt
 from longflow.errors import UserError
@@ -132,15 +137,8 @@ def greedy_accuracy(model, tokenizer, family: str, size: int, device: torch.devi
 
 
 def save(model, tokenizer, out: Path, log: dict) -> None:
-    """The weights in bf16 (from a copy: training goes on in float32), the tokenizer and the log."""
-    out.mkdir(parents=True, exist_ok=True)
-    rounded = copy.deepcopy(model).to(torch.bfloat16)
-    rounded.config.use_cache = True
-    rounded.generation_config.eos_token_id = tokenizer.eos_token_id
-    rounded.generation_config.pad_token_id = tokenizer.pad_token_id
-    rounded.generation_config.bos_token_id = None
-    rounded.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    """The weights in bf16 (training goes on in float32), the tokenizer and the log."""
+    save_weights(model, tokenizer, out)
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
 
 
@@ -232,10 +230,7 @@ def train(config: SuiteTrainConfig, out: Path, device: torch.device) -> dict:
     model = initial_model(config, tokenizer, device)
     model.config.use_cache = False
     params = sum(p.numel() for p in model.parameters())
-    environment = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                   "torch": torch.__version__, "transformers": transformers.__version__,
-                   "python": platform.python_version()}
-    log = {"config": asdict(config), "parameters": params, "environment": environment}
+    log = {"config": asdict(config), "parameters": params, "environment": environment(device)}
     print(f"canary suite training: {params / 1e6:.2f}M parameters on {device}, from "
           f"{config.init or 'random weights'}", flush=True)
 
