@@ -69,12 +69,12 @@ def selector_weights(window: int, selectors: str, device: torch.device | str | N
     (W = 1: the newest once); `new`: the newest alone. Made where it is used: a copy from host
     memory at every compression would make the host wait for the device.
     """
-    weights = torch.zeros(window, device=device)
-    weights[-1] = 1.0
+    # Built from comparisons: an indexed write of a Python number into a CUDA tensor synchronises.
+    position = torch.arange(window, device=device)
+    newest = (position == window - 1).float()
     if selectors == "recent" and window > 1:
-        weights[1:] = 1.0
-        weights[-1] = 2.0
-    return weights
+        return (position >= 1).float() + newest
+    return newest
 
 
 def rpc_scores(

@@ -116,10 +116,11 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                 row["ms_per_token_canary"] = projected_ms(draft, check, replay, args.horizon, accepted)
                 row["speedup_vs_vanilla"] = vanilla / row["ms_per_token_canary"]
             rows.append(row)
-    table = pd.DataFrame(rows)
-    write_table(table, args.out, f"VeriCache on {args.model} (random weights), prompt {args.prompt}, "
-                f"{args.new} new tokens, ms", {"model": args.model, "prompt": args.prompt, "new": args.new,
-                                               "device": str(device)})
+            # Written after every row: a run cut short by a time limit keeps what it measured.
+            table = pd.DataFrame(rows)
+            write_table(table, args.out, f"VeriCache on {args.model} (random weights), prompt {args.prompt}, "
+                        f"{args.new} new tokens, ms", {"model": args.model, "prompt": args.prompt,
+                                                       "new": args.new, "device": str(device)})
     return table
 
 
