@@ -58,7 +58,7 @@ def check_fields(cfg: dict[str, Any]) -> None:
         raise UserError(f"limit must be a positive integer or null, got {limit!r}")
     if not isinstance(cfg["require_gpu"], bool):
         raise UserError(f"require_gpu must be true or false, got {cfg['require_gpu']!r}")
-    for key in ("fidelity", "overwrite", "allow_code_change"):
+    for key in ("fidelity", "overwrite", "allow_code_change", "allow_other_model_files"):
         if not isinstance(cfg[key], bool):
             raise UserError(f"{key} must be true or false, got {cfg[key]!r}")
     if not isinstance(cfg["results_dir"], str) or not cfg["results_dir"]:

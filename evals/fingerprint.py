@@ -50,14 +50,20 @@ def policy_sources(policy: Any) -> list[Path]:
 def policy_files(policy: Any) -> list[Path]:
     """The files the policy's fields name (a calibration, learned weights): a run made with other
     contents under the same path is another run's continuation as much as one made by other code."""
-    files = set()
-    for value in vars(policy).values():
+    return sorted(set(policy_file_fields(policy).values()))
+
+
+def policy_file_fields(policy: Any) -> dict[str, Path]:
+    """`{field: the file it names}` for each of the policy's fields that names an existing file
+    (from the working directory, else from the repository)."""
+    files = {}
+    for name, value in vars(policy).items():
         if isinstance(value, str) and value:
             for path in (Path(value), REPO / value):
                 if path.is_file():
-                    files.add(path.resolve())
+                    files[name] = path.resolve()
                     break
-    return sorted(files)
+    return files
 
 
 def library_sources() -> list[Path]:

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from baselines.vanilla import VanillaPolicy
 from evals.checks import check_fields
 from evals.datasets import fingerprint, load, registry_spec
-from evals.fingerprint import check_code, code_record
+from evals.fingerprint import check_code, code_record, policy_file_fields
 from evals.gpus import job_device
 from evals.grading import GradeRequest, grade_many
 from evals.metrics import summarize
@@ -36,6 +36,7 @@ from evals.prompts import build_messages, render_prompt, truncate_prompt
 from evals.reuse import reuse_option, split_work, with_mode
 from evals.shards import Shard
 from evals.store import CONFIG, ITEMS, PROVENANCE, RunDir, in_scope, provenance, stable_hash
+from longflow.calibration import made_for
 from longflow.config import EngineConfig, GenerationConfig, VerifyConfig, from_mapping
 from longflow.engine import Engine
 from longflow.errors import UserError, out_of_memory
@@ -115,6 +116,7 @@ class Setup:
     fidelity: bool = False
     overwrite: bool = False  # start every run of the config again, its stored records deleted
     allow_code_change: bool = False  # resume a run made by other code (`evals.fingerprint`)
+    allow_other_model_files: bool = False  # a method file made for another checkpoint (`check_method_files`)
     reuse_full_cache: str = "off"  # evals.reuse.MODES
     verify: Any = None  # longflow.config.VerifyConfig
 
@@ -147,6 +149,7 @@ class Setup:
             shard=Shard.parse(cfg.get("shard")),
             fidelity=fidelity_option(cfg.get("fidelity", False), generation_name, generation),
             overwrite=cfg["overwrite"], allow_code_change=cfg["allow_code_change"],
+            allow_other_model_files=cfg.get("allow_other_model_files", False),
             reuse_full_cache=reuse_option(cfg.get("reuse_full_cache", "off"), generation_name, generation,
                                           type(policy).uses_budget),
             verify=verify,
@@ -204,6 +207,29 @@ def checkpoint_fingerprint(hub_id: str) -> str | None:
     return _FINGERPRINTS[state]
 
 
+def check_method_files(setup: Setup) -> None:
+    """A file the method's config names (a calibration, learned weights) that records the model it
+    was made for (`longflow.calibration.made_for`) must have been made for the run's model: the
+    canary and the canary suite's model share a shape, so the canary's file loads without an error on
+    the other and gives another method than the one meant. Random weights are nobody's checkpoint."""
+    if setup.model.weights == "random" or setup.allow_other_model_files:
+        return
+    checkpoint = checkpoint_fingerprint(setup.model.hub_id)
+    for field, path in policy_file_fields(setup.policy).items():
+        recorded = made_for(path)
+        if "checkpoint" in recorded and checkpoint is not None:
+            other = recorded["checkpoint"] != checkpoint
+        else:  # a hub model has no local checkpoint to hash: its id names it
+            other = "hub_id" in recorded and recorded["hub_id"] != setup.model.hub_id
+        if other:
+            made = recorded.get("model") or recorded.get("hub_id")
+            raise UserError(
+                f"method.{field}={getattr(setup.policy, field)!r} was made for the model {made!r} "
+                f"(checkpoint {recorded.get('checkpoint', recorded.get('hub_id'))}), not for this run's "
+                f"{setup.model.name!r} ({checkpoint or setup.model.hub_id}): pass the file made for it "
+                f"(method.{field}=...), or allow_other_model_files=true to use this one knowingly")
+
+
 def check_results_dir(path: Path) -> None:
     """`results_dir` can be created and written to (checked before hours of generation, not after)."""
     try:
@@ -238,6 +264,7 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
         )
     jobs = load_jobs(cfg["dataset"], setup.limit)
     check_context(setup)
+    check_method_files(setup)
     check_results_dir(Path(cfg["results_dir"]))
     model, tokenizer = load_model(setup.model, device)
     check_device_fits(setup.model, model, device)

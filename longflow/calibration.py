@@ -4,7 +4,11 @@ A calibration file is a dict of named tensors saved with `torch.save` (`.pt`) or
 (`.safetensors`), made once per model by a method's own script. Its path comes from the method's
 config, relative to the working directory like every other path of a run; the method loads it
 when it is built, so that a missing or malformed file is a one-line error before any model loads,
-and checks the shapes against the model when it allocates (`check_shape`).
+and checks the shapes against the model when it allocates (`check_shape`). A file may record the
+model it was made for (`made_for`): a `.pt` dict's `hub_id` and `checkpoint` entries, a
+`.safetensors` file's metadata of the same names; the run checks them against its model
+(`evals.pipeline.check_method_files`), since a file made for another checkpoint of the same shape
+would load without an error.
 """
 
 from __future__ import annotations
@@ -33,6 +37,23 @@ def load_calibration(path: str, method: str, keys: Iterable[str]) -> dict[str, t
     if missing:
         raise UserError(f"{method}: calibration file {path!r} lacks the tensor {missing[0]!r}")
     return {key: tensors[key] for key in keys}
+
+
+MADE_FOR = ("model", "hub_id", "checkpoint")  # what a file may record of the model it was made for
+
+
+def made_for(path: str | Path) -> dict[str, str]:
+    """What the file at `path` records of the model it was made for (`MADE_FOR` keys present), or {}."""
+    file = Path(path)
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(file), "pt") as handle:
+            recorded = handle.metadata() or {}
+    else:
+        recorded = _read(file.resolve(), file.stat().st_mtime_ns)
+        recorded = recorded if isinstance(recorded, dict) else {}
+    return {key: recorded[key] for key in MADE_FOR if isinstance(recorded.get(key), str)}
 
 
 @functools.cache

@@ -275,7 +275,8 @@ def train(config: LKVTrainConfig, out: Path) -> dict:
 
     def checkpoint(run: dict) -> None:
         params = {name: tensor.detach().contiguous() for name, tensor in student.params.items()}
-        save_file(params, str(out / "lkv.safetensors"))
+        # The model it was made for, which a run checks against its own (`longflow.calibration.made_for`).
+        save_file(params, str(out / "lkv.safetensors"), metadata=made_for_record(log["model"]))
         shares = torch.softmax(params["budget_logits"].flatten(), dim=0).view_as(params["budget_logits"])
         log.update({"parameters": sum(tensor.numel() for tensor in params.values()),
                     **{key: value for key, value in run.items() if key != "curve"},
@@ -304,6 +305,12 @@ def train(config: LKVTrainConfig, out: Path) -> dict:
         run["heldout_teacher_forced"][name] = scores
         checkpoint(run)
     return log
+
+
+def made_for_record(model: dict) -> dict[str, str]:
+    """The safetensors metadata naming the model a file was trained for (`longflow.calibration.MADE_FOR`)."""
+    record = {"model": model["name"], "hub_id": model["hub_id"], "checkpoint": model["checkpoint"]}
+    return {key: value for key, value in record.items() if value is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
