@@ -27,7 +27,7 @@ import argparse
 import numpy as np
 import pandas as pd
 
-from evals.bench.common import bench_engine, method_policy, random_prompts, write_table
+from evals.bench.common import COMPILE_SETTINGS, bench_engine, method_policy, random_prompts, write_table
 from evals.configs import model_spec
 from longflow.config import GenerationConfig, VerifyConfig
 from longflow.models import load_model, resolve_device
@@ -43,10 +43,11 @@ def projected_ms(draft: float, verify: float, replay: float, horizon: int, accep
     return (horizon * draft + verify + replays * replay) / (accepted + 1.0)
 
 
-def step_ms(model, method: str, budget: int | None, prompts, new_tokens: int, verify: VerifyConfig | None = None):
+def step_ms(model, method: str, budget: int | None, prompts, new_tokens: int, verify: VerifyConfig | None = None,
+            compile_step: str = "on"):
     """(the engine's result, median seconds per decode step or round) of one run after a warm-up."""
     policy = method_policy(method, budget)
-    engine = bench_engine(model, policy, verify, batch_size=len(prompts))
+    engine = bench_engine(model, policy, verify, batch_size=len(prompts), **COMPILE_SETTINGS[compile_step])
     seeds = list(range(len(prompts)))
     engine.generate(prompts, GenerationConfig(max_new_tokens=2 * (verify.horizon + 1) if verify else 4,
                                               ignore_eos=True), seeds)
@@ -82,6 +83,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                         help="mean drafts accepted per round to project at (values above --horizon are dropped)")
     parser.add_argument("--runs", default=None, help="a runs folder whose vericache runs give each method's acceptance")
     parser.add_argument("--canary-budget", type=int, default=None, help="the budget of those runs to read")
+    parser.add_argument("--compile", default="on", choices=tuple(COMPILE_SETTINGS),
+                        help="the decode forward as the engine compiles it (on), eager (off: no compilation per "
+                             "batch size, 40-55 s each on an H200), or with or without Inductor's tuning")
     parser.add_argument("--out", default="results/bench/vericache.csv")
     args = parser.parse_args(argv)
 
@@ -94,10 +98,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows = []
     for batch in [int(b) for b in args.batch.split(",")]:
         prompts = random_prompts(batch, args.prompt, vocab)
-        _, vanilla = step_ms(model, "vanilla", None, prompts, args.new)
+        _, vanilla = step_ms(model, "vanilla", None, prompts, args.new, compile_step=args.compile)
         for method in args.methods.split(","):
-            _, alone = step_ms(model, method, args.budget, prompts, args.new)
-            result, round_ms = step_ms(model, method, args.budget, prompts, args.new, verify)
+            _, alone = step_ms(model, method, args.budget, prompts, args.new, compile_step=args.compile)
+            result, round_ms = step_ms(model, method, args.budget, prompts, args.new, verify, args.compile)
             parts = result.round_seconds
             draft, check, replay = median_ms(parts.draft), median_ms(parts.verify), median_ms(parts.replay)
             replays = len(parts.replay) / max(1, len(result.step_seconds))
@@ -120,7 +124,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
             table = pd.DataFrame(rows)
             write_table(table, args.out, f"VeriCache on {args.model} (random weights), prompt {args.prompt}, "
                         f"{args.new} new tokens, ms", {"model": args.model, "prompt": args.prompt,
-                                                       "new": args.new, "device": str(device)})
+                                                       "new": args.new, "compile": args.compile,
+                                                       "device": str(device)})
     return table
 
 
