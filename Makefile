@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml Makefile
 # The suite runs in TEST_WORKERS processes (pytest-xdist; each file's tests in one process, which keeps
 # the models that file caches), one thread each: on a 2-core machine, two workers of one thread ran a
 # sample of the suite 1.7x faster than one process, and two of two threads each 2.8x slower than it.
-TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1))")
 
 test: $(ENV)  ## the whole suite (CPU; Triton kernels through its interpreter; GPU tests skip)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
