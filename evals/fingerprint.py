@@ -116,7 +116,7 @@ def code_record(policy: Any) -> dict[str, Any]:
     return {
         "fingerprint": hashlib.sha256(repr(sorted(files.items())).encode()).hexdigest()[:16],
         "files": files,
-        "git_commit": commit.strip() if commit else None,
+        "git_commit": commit or None,
         "dirty": bool(status) if status is not None else None,
         "diff": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None,
     }

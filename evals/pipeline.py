@@ -138,8 +138,7 @@ class Setup:
         generation_name, protocol = generation_params.pop("name"), generation_params.pop("protocol")
         limit = cfg.get("limit")
         generation = from_mapping(GenerationConfig, generation_params, "generation")
-        verify = from_mapping(VerifyConfig, cfg.get("verify", {}), "verify")
-        verify.check_generation(generation)
+        verify = from_mapping(VerifyConfig, cfg.get("verify", {}), "verify")  # checked by check_fields
         return cls(
             method=method, method_params=method_params, policy=policy, budget=policy.budget,
             generation_name=generation_name,
@@ -324,7 +323,7 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
             run.clear()
         else:
             check_code(run.path, run.read_json(PROVENANCE, default=[]), code, setup.allow_code_change)
-        run.update_json(PROVENANCE, lambda entries: [*entries, {**provenance(seeds, engine.device), "code": code}],
+        run.update_json(PROVENANCE, lambda entries: [*entries, provenance(seeds, engine.device, code)],
                         default=[])
         run.write_json(ITEMS, [item.id for item in job.items])
         if config_yaml is not None:

@@ -279,9 +279,10 @@ def _json_text(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, default=str) + "\n"
 
 
-def provenance(seeds: dict[str, int], device: torch.device) -> dict[str, Any]:
-    """Where and with what a run was made: git state, package versions, the device (`evals.gpus`), seeds."""
-    from evals.fingerprint import git, uncommitted_changes
+def provenance(seeds: dict[str, int], device: torch.device, code: dict[str, Any]) -> dict[str, Any]:
+    """Where and with what a run was made: git state (from `code`, the run start's
+    `evals.fingerprint.code_record`, asked of git once per process), package versions, the device
+    (`evals.gpus`), seeds, and `code` itself."""
     from evals.gpus import device_record
 
     packages = {}
@@ -292,14 +293,14 @@ def provenance(seeds: dict[str, int], device: torch.device) -> dict[str, Any]:
             packages[name] = None
     import torch
 
-    status = uncommitted_changes()
     return {
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty": bool(status) if status is not None else None,
+        "git_commit": code["git_commit"],
+        "git_dirty": code["dirty"],
         "packages": packages,
         "python": platform.python_version(),
         "host": platform.node(),
         "device": device_record(device),
         "cuda": torch.version.cuda,
         "seeds": seeds,
+        "code": code,
     }

@@ -29,7 +29,8 @@ def test_committed_files_record_the_checkpoint_they_were_made_for(path, folder):
     assert made_for(path)["checkpoint"] == checkpoint_fingerprint(folder)
 
 
-@pytest.mark.parametrize("method,field,path", [("lkv", "weights", CANARY_LKV), ("compresskv", "calibration", CANARY_CKV)])
+@pytest.mark.parametrize("method,field,path", [("lkv", "weights", CANARY_LKV),
+                                               ("compresskv", "calibration", CANARY_CKV)])
 def test_a_file_made_for_the_canary_is_refused_on_the_suite_model(method, field, path):
     chosen = setup("model=canary_suite", f"method={method}", f"method.{field}={path}")
     with pytest.raises(UserError) as raised:

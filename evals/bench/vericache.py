@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     verify = VerifyConfig(name="vericache", horizon=args.horizon, full_cache=args.full_cache)
     levels = [float(a) for a in args.acceptance.split(",") if float(a) <= args.horizon]
     measured = canary_acceptance(args.runs, args.canary_budget)
-    rows = []
+    rows, table = [], pd.DataFrame()
     for batch in [int(b) for b in args.batch.split(",")]:
         prompts = random_prompts(batch, args.prompt, vocab)
         _, vanilla = step_ms(model, "vanilla", None, prompts, args.new, compile_step=args.compile)

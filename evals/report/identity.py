@@ -19,14 +19,13 @@ from its counterpart, 2 on a bad folder, 0 otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
-from evals.store import GENERATIONS, IDENTITY
+from evals.store import GENERATIONS, IDENTITY, peek_records
 from longflow.errors import UserError, report
 
 SHOWN = 3  # differing items named per pair
@@ -54,19 +53,10 @@ class Pair:
 
 
 def outputs(run: Path) -> dict[tuple[str, int], str]:
-    """`{(item id, sample): output text}` of a run's complete records (a torn last line is skipped,
-    and the file is left as it is: the folder may be another run's, still writing)."""
-    found = {}
-    path = run / GENERATIONS
-    if not path.exists():
-        return found
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        found[(str(record["id"]), int(record.get("sample", 0)))] = record.get("output", "")
-    return found
+    """`{(item id, sample): output text}` of a run's complete records (`peek_records`: a torn last
+    line is skipped and the file left as it is, since the run may still be writing)."""
+    return {(str(record["id"]), int(record.get("sample", 0))): record.get("output", "")
+            for record in peek_records(run / GENERATIONS)}
 
 
 def runs_of(folder: Path) -> dict[str, Path]:

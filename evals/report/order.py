@@ -30,6 +30,7 @@ import pandas as pd
 
 from evals.report.names import dataset_name
 from evals.report.runs import REFERENCE, add_filters, keep_newest, label, load
+from evals.report.significance import scaled
 from evals.report.stats import BootstrapConfig, Difference, ItemScores, paired_difference, run_accuracy_scores
 from longflow.errors import UserError, report
 
@@ -77,26 +78,25 @@ def reversals(runs: pd.DataFrame, reference: str, config: BootstrapConfig) -> tu
         if reference not in scores:
             raise UserError(f"no runs of {model} on the reference {reference!r} at budget {budget}")
         order = list(dict.fromkeys(block["method_label"]))
+        on_reference: dict[tuple[str, str], Difference] = {}  # a pair's interval on the reference, drawn once
         for dataset in (d for d in dict.fromkeys(block["dataset_label"]) if d != reference):
             methods = [m for m in order if isinstance(scores.at[m, reference], ItemScores)
                        and isinstance(scores.at[m, dataset], ItemScores)]
             count = 0
             for a, b in itertools.combinations(methods, 2):
-                there = paired_difference(scores.at[a, reference], scores.at[b, reference], config)
+                if (a, b) not in on_reference:
+                    on_reference[a, b] = paired_difference(scores.at[a, reference], scores.at[b, reference], config)
+                there = on_reference[a, b]
                 here = paired_difference(scores.at[a, dataset], scores.at[b, dataset], config)
                 if there.excludes_zero and here.excludes_zero and (there.estimate > 0) != (here.estimate > 0):
                     count += 1
-                    found.append(Reversal(budget, dataset, a, b, points(there), points(here)))
+                    found.append(Reversal(budget, dataset, a, b, scaled(there, 100), scaled(here, 100)))
             # Spearman's rho: Pearson's correlation of the ranks (ties share their mean rank).
             correlation = accuracy.loc[methods, reference].rank().corr(accuracy.loc[methods, dataset].rank())
             rows.append({"model": model, "budget": budget, "dataset": dataset, "methods": len(methods),
                          "pairs": len(methods) * (len(methods) - 1) // 2, "spearman": correlation,
                          "confident_reversals": count})
     return found, pd.DataFrame(rows)
-
-
-def points(difference: Difference) -> Difference:
-    return Difference(100 * difference.estimate, 100 * difference.low, 100 * difference.high, difference.items)
 
 
 def interval_text(difference: Difference) -> str:
