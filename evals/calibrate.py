@@ -155,8 +155,9 @@ def calibrate(cfg: dict[str, Any], out: Path | None, stride: int) -> Path:
     from transformers import AttentionInterface
 
     from baselines.vanilla import VanillaPolicy
+    from evals.fingerprint import checkpoint_fingerprint
     from evals.grading import GradeRequest, grade_many
-    from evals.pipeline import checkpoint_fingerprint, decode, load_jobs
+    from evals.pipeline import decode, load_jobs
     from evals.prompts import build_messages, render_prompt, truncate_prompt
     from longflow.cache import ATTENTION_NAME
     from longflow.config import EngineConfig, GenerationConfig, from_mapping

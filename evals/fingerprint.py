@@ -1,6 +1,8 @@
 """What code made a run: a hash of the source of the method's classes and of the library on the
 decode path and of the files its method reads (a calibration, learned weights), and the git state
-(commit, whether the tree was dirty, a hash of the uncommitted diff).
+(commit, whether the tree was dirty, a hash of the uncommitted diff); and the content hash of a
+local model checkpoint (`checkpoint_fingerprint`), part of a run's identity and of the record of
+the model a method's file was made for.
 
 A run's identity covers its config, not its code (a fix must not orphan every run), so a run
 resumed after its method or the library changed would mix outputs of two programs and print the
@@ -17,6 +19,7 @@ import hashlib
 import inspect
 import subprocess
 import sysconfig
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +147,33 @@ def check_code(run: Path, provenance: list[dict], now: dict[str, Any], allow_cha
     shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
     raise UserError(f"{run} was made by other code ({shown} changed since); add overwrite=true to start it "
                     "again, or allow_code_change=true to resume it knowingly")
+
+
+_FINGERPRINTS: dict[tuple, str] = {}  # (name, size, mtime) of a folder's files -> their content hash
+
+
+def checkpoint_fingerprint(hub_id: str) -> str | None:
+    """Content hash of a local checkpoint folder's weights, config and tokenizer, or None for a hub id.
+
+    A local folder has no revision: without this, retraining the model in place (the canary) would
+    resume the old model's runs. Files are read in blocks and each folder state is hashed once per
+    process: an 8B checkpoint is 16 GB.
+    """
+    # Imported here: this module stays free of torch, which longflow.models loads.
+    from longflow.models import checkpoint_location
+
+    folder = Path(checkpoint_location(hub_id))
+    if not folder.is_dir():
+        return None
+    files = [path for path in sorted(folder.iterdir())
+             if path.suffix in (".json", ".safetensors", ".jinja") and path.name != "train_log.json"]
+    state = tuple((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in files)
+    if state not in _FINGERPRINTS:
+        digest = hashlib.sha256()
+        for path in files:
+            digest.update(path.name.encode())
+            with path.open("rb") as handle:
+                for block in iter(partial(handle.read, 1 << 24), b""):
+                    digest.update(block)
+        _FINGERPRINTS[state] = digest.hexdigest()[:16]
+    return _FINGERPRINTS[state]

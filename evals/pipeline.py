@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import copy
 import gc
-import hashlib
 import logging
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,7 @@ from tqdm import tqdm
 from baselines.vanilla import VanillaPolicy
 from evals.checks import check_fields
 from evals.datasets import fingerprint, load, registry_spec
-from evals.fingerprint import check_code, code_record, policy_file_fields
+from evals.fingerprint import check_code, checkpoint_fingerprint, code_record, policy_file_fields
 from evals.gpus import job_device
 from evals.grading import GradeRequest, grade_many
 from evals.metrics import summarize
@@ -45,7 +43,6 @@ from longflow.methods import TARGET, build_policy
 from longflow.models import (
     ModelSpec,
     check_device,
-    checkpoint_location,
     context_length,
     eos_token_ids,
     load_model,
@@ -179,31 +176,6 @@ class Setup:
         return with_mode(identity, self.reuse_full_cache)
 
 
-_FINGERPRINTS: dict[tuple, str] = {}  # (name, size, mtime) of a folder's files -> their content hash
-
-
-def checkpoint_fingerprint(hub_id: str) -> str | None:
-    """Content hash of a local checkpoint folder's weights, config and tokenizer, or None for a hub id.
-
-    A local folder has no revision: without this, retraining the model in place (the canary) would
-    resume the old model's runs. Files are read in blocks and each folder state is hashed once per
-    process: an 8B checkpoint is 16 GB.
-    """
-    folder = Path(checkpoint_location(hub_id))
-    if not folder.is_dir():
-        return None
-    files = [path for path in sorted(folder.iterdir())
-             if path.suffix in (".json", ".safetensors", ".jinja") and path.name != "train_log.json"]
-    state = tuple((path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in files)
-    if state not in _FINGERPRINTS:
-        digest = hashlib.sha256()
-        for path in files:
-            digest.update(path.name.encode())
-            with path.open("rb") as handle:
-                for block in iter(partial(handle.read, 1 << 24), b""):
-                    digest.update(block)
-        _FINGERPRINTS[state] = digest.hexdigest()[:16]
-    return _FINGERPRINTS[state]
 
 
 def check_method_files(setup: Setup) -> None:

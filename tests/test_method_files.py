@@ -8,7 +8,8 @@ tells them apart, and the run checks it before loading any model (`check_method_
 import pytest
 
 from evals.configs import compose_config
-from evals.pipeline import Setup, check_method_files, checkpoint_fingerprint
+from evals.fingerprint import checkpoint_fingerprint
+from evals.pipeline import Setup, check_method_files
 from longflow.calibration import made_for
 from longflow.errors import UserError
 

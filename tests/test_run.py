@@ -415,7 +415,7 @@ def test_ctrl_c_is_one_line_and_the_run_resumes(tmp_path):
 def test_a_local_checkpoint_is_part_of_the_identity(tmp_path):
     """A local folder has no revision: its weights' content names the run, so a retrained model starts
     new runs instead of resuming the old model's."""
-    from evals.pipeline import checkpoint_fingerprint
+    from evals.fingerprint import checkpoint_fingerprint
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"weights")

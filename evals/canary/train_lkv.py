@@ -56,7 +56,7 @@ from evals.canary.suite_batches import FamilyBatches, heldout_mask, suite_batche
 from evals.canary.train import environment
 from evals.canary.train_suite import prompt_length, teacher_forced
 from evals.configs import model_spec
-from evals.pipeline import checkpoint_fingerprint
+from evals.fingerprint import checkpoint_fingerprint
 from longflow.errors import UserError, report
 from longflow.models import checkpoint_location
 

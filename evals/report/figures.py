@@ -60,6 +60,7 @@ from evals.metrics import FIDELITY_THRESHOLD, FIDELITY_WINDOW, trailing_mean
 from evals.report.names import DEFAULT_VARIANT, model_size
 from evals.report.palette import Style, styles
 from evals.report.runs import REFERENCE, add_filters, items_sort_key, keep_newest, label, load
+from evals.report.stats import SEED
 from evals.store import FIDELITY, GENERATIONS, in_scope, peek_records, planned_items
 from longflow.errors import UserError, report
 
@@ -620,11 +621,9 @@ def plot_table_heatmap(args: argparse.Namespace) -> list[Path]:
     """`evals.report.heatmap` of the table that `evals.report.table` builds from the same arguments."""
     # Imported here: the heatmap draws with this module's helpers, so it imports this module.
     from evals.report.heatmap import plot_heatmap
-    from evals.report.stats import BootstrapConfig
-    from evals.report.table import build_table, load_recall
+    from evals.report.table import build_table, runs_and_bootstrap
 
-    runs = load(args) if args.recall is None else load_recall(args)
-    bootstrap = None if args.bootstrap is None else BootstrapConfig(resamples=args.bootstrap)
+    runs, bootstrap = runs_and_bootstrap(args)
     return plot_heatmap(build_table(runs, args.metric, bootstrap=bootstrap), args.out)
 
 
@@ -681,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metric", default="accuracy", help="the heatmap's metric (a table metric)")
     parser.add_argument("--bootstrap", type=int, metavar="B",
                         help="the heatmap marks the cells that cannot be told from the best (B resamples)")
+    parser.add_argument("--seed", type=int, default=SEED, help="the bootstrap's seed (as evals.report.table's)")
     parser.add_argument("--recall", type=Path, nargs="+", metavar="FILE.csv",
                         help="the heatmap of evals.canary.recall's CSV (--metric recall_layers, ...)")
     args = parser.parse_args(argv)

@@ -509,6 +509,13 @@ def write_table(table: Table, out: Path, caption: str | None = None, label: str 
     return paths
 
 
+def runs_and_bootstrap(args: argparse.Namespace) -> tuple[pd.DataFrame, BootstrapConfig | None]:
+    """What a table is built from, as `--recall` (recall files, else the runs' filters), `--bootstrap`
+    and `--seed` ask: the table's command line and the heatmap's (`evals.report.figures`) share it."""
+    bootstrap = None if args.bootstrap is None else BootstrapConfig(resamples=args.bootstrap, seed=args.seed)
+    return (load(args) if args.recall is None else load_recall(args)), bootstrap
+
+
 def load_recall(args: argparse.Namespace) -> pd.DataFrame:
     """The recall file's rows as runs (`recall_frame`), filtered as runs are; UserError when none is
     left."""
@@ -542,8 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wide", action="store_true", help="table* (both columns of a two-column paper)")
     args = parser.parse_args(argv)
     try:
-        bootstrap = None if args.bootstrap is None else BootstrapConfig(resamples=args.bootstrap, seed=args.seed)
-        runs = load(args) if args.recall is None else load_recall(args)
+        runs, bootstrap = runs_and_bootstrap(args)
         table = build_table(runs, args.metric, stderr=args.stderr, bootstrap=bootstrap,
                             paired_against=args.paired_against)
     except UserError as error:
