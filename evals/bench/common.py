@@ -41,10 +41,16 @@ def write_table(table: pd.DataFrame, out: str | Path, heading: str, setting: dic
     """Prints `heading` and `table`, and writes the table with the `setting` columns to `out` (CSV)."""
     print(f"\n{heading}")
     print(table.to_string(index=False, float_format=lambda v: f"{v:.{decimals}f}"))
+    save_table(table, out, setting)
+    print(f"wrote {out}")
+
+
+def save_table(table: pd.DataFrame, out: str | Path, setting: dict) -> None:
+    """The table with the `setting` columns to `out` (CSV), silently: a bench rewrites it after every
+    row, so that a process stopped by a time limit keeps what it measured."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     table.assign(**setting).to_csv(out, index=False)
-    print(f"wrote {out}")
 
 
 # `--compile` values: the decode forward eager; compiled as the engine does by default (Inductor's

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -37,6 +36,7 @@ from evals.bench.common import (
     compile_settings,
     method_policy,
     random_prompts,
+    save_table,
     write_table,
 )
 from evals.configs import group_options, model_spec
@@ -152,15 +152,12 @@ def main() -> None:
                | {"method": f"{methods[0]} (settling run, not in the table)"})
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     setting = dict(model=args.model, batch=args.batch, prompt=args.prompt, device=gpu)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
 
     def record(row: dict) -> None:
-        # Rewritten after every method: a process stopped by a time limit keeps the rows it timed.
         rows.append(row)
         report(row)
-        pd.DataFrame(rows).assign(**setting).to_csv(out, index=False)
+        save_table(pd.DataFrame(rows), args.out, setting)
 
     for compile_step in settings:
         for method in methods:
@@ -170,7 +167,7 @@ def main() -> None:
 
     heading = (f"{args.model} (random weights, {spec.dtype}), batch {args.batch}, prompt {args.prompt}, "
                f"{args.new} new tokens, budget {args.budget}, on {gpu}")
-    write_table(pd.DataFrame(rows), out, heading, setting)
+    write_table(pd.DataFrame(rows), args.out, heading, setting)
 
 
 if __name__ == "__main__":

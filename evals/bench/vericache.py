@@ -27,7 +27,7 @@ import argparse
 import numpy as np
 import pandas as pd
 
-from evals.bench.common import COMPILE_SETTINGS, bench_engine, method_policy, random_prompts, write_table
+from evals.bench.common import COMPILE_SETTINGS, bench_engine, method_policy, random_prompts, save_table, write_table
 from evals.configs import model_spec
 from longflow.config import GenerationConfig, VerifyConfig
 from longflow.models import load_model, resolve_device
@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     verify = VerifyConfig(name="vericache", horizon=args.horizon, full_cache=args.full_cache)
     levels = [float(a) for a in args.acceptance.split(",") if float(a) <= args.horizon]
     measured = canary_acceptance(args.runs, args.canary_budget)
-    rows, table = [], pd.DataFrame()
+    setting = {"model": args.model, "prompt": args.prompt, "new": args.new, "compile": args.compile,
+               "device": str(device)}
+    rows = []
     for batch in [int(b) for b in args.batch.split(",")]:
         prompts = random_prompts(batch, args.prompt, vocab)
         _, vanilla = step_ms(model, "vanilla", None, prompts, args.new, compile_step=args.compile)
@@ -120,12 +122,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                 row["ms_per_token_canary"] = projected_ms(draft, check, replay, args.horizon, accepted)
                 row["speedup_vs_vanilla"] = vanilla / row["ms_per_token_canary"]
             rows.append(row)
-            # Written after every row: a run cut short by a time limit keeps what it measured.
-            table = pd.DataFrame(rows)
-            write_table(table, args.out, f"VeriCache on {args.model} (random weights), prompt {args.prompt}, "
-                        f"{args.new} new tokens, ms", {"model": args.model, "prompt": args.prompt,
-                                                       "new": args.new, "compile": args.compile,
-                                                       "device": str(device)})
+            save_table(pd.DataFrame(rows), args.out, setting)
+    table = pd.DataFrame(rows)
+    write_table(table, args.out, f"VeriCache on {args.model} (random weights), prompt {args.prompt}, "
+                f"{args.new} new tokens, ms", setting)
     return table
 
 
