@@ -24,24 +24,28 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from longflow import kernels
 from longflow.errors import UserError
 from longflow.policy import CacheSpec, KVPolicy, Observation, device_index, one_of, shrink_interval
 from longflow.selection import choose_keep, chosen_mask
 
 BUDGET_MODES = ("cap", "target")
 SCORE_BYTES = 2 << 30  # temporaries of one `rkv_scores` call
-# The keys' similarities are computed in blocks of slots, SIMILARITY_BLOCKS per side: a block pair
-# and its transpose are one product (the matrix is symmetric), so of the S x S products only
-# (k + 1) / 2k are computed and written (5/8 for k = 4), and a temporary is one block pair's.
+# Off the GPU the keys' similarities are computed in blocks of slots, SIMILARITY_BLOCKS per side: a
+# block pair and its transpose are one product (the matrix is symmetric), so of the S x S products
+# only (k + 1) / 2k are computed and written (5/8 for k = 4), and a temporary is one block pair's.
+# On a GPU a Triton kernel searches without them (`longflow.kernels.newest_duplicates`).
 SIMILARITY_BLOCKS = 4
 PAIR_BYTES = 6  # temporaries per key pair of a block: the float32 similarity, its comparison, transposed
 KEY_BYTES = 24  # per key and dimension: the float32 copies of the keys alive at once (about six)
 
 
-def score_bytes(kv_heads: int, slots: int, head_dim: int) -> int:
-    """Temporaries of `rkv_scores` per row (and layer): its largest block pair and its key copies."""
+def score_bytes(kv_heads: int, slots: int, head_dim: int, device: torch.device) -> int:
+    """Temporaries of `rkv_scores` per row (and layer): its key copies, and off the GPU its largest
+    block pair of similarities."""
     block = -(-slots // SIMILARITY_BLOCKS)
-    return kv_heads * (block * block * PAIR_BYTES + slots * head_dim * KEY_BYTES)
+    pairs = 0 if device.type == "cuda" else block * block * PAIR_BYTES
+    return kv_heads * (pairs + slots * head_dim * KEY_BYTES)
 
 
 def newest_duplicates(unit: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +120,7 @@ def rkv_scores(
     """
     batch, q_heads, window, head_dim = queries.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
-    keys = keys.float()
+    stored_keys, keys = keys, keys.float()
     inf = float("inf")
     index = torch.arange(slots, device=keys.device)
     older = held & (index < slots - window)  # keys the window queries score, [B, Hkv, S]
@@ -142,9 +146,13 @@ def rkv_scores(
     # flip, search, scatter, mask, sum), which made this function memory-bound on the S x S
     # temporaries at large batch; and of the symmetric matrix only half is computed
     # (`newest_duplicates`).
-    unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8) * held[..., None]  # [B, Hkv, S, D]
+    norms = keys.norm(dim=-1, keepdim=True) + 1e-8
+    unit = keys / norms * held[..., None]  # [B, Hkv, S, D]
     # Row i's most recent duplicate j (largest slot = newest position) is not counted in column j.
-    newest, left_out = newest_duplicates(unit, threshold)  # [B, Hkv, S] each
+    if keys.is_cuda:  # the kernel reads the keys as stored; the interpreter would be too slow on a CPU
+        newest, left_out = kernels.newest_duplicates(stored_keys, held / norms[..., 0], threshold)
+    else:
+        newest, left_out = newest_duplicates(unit, threshold)  # [B, Hkv, S] each
     column_sums = (unit * unit.sum(dim=-2, keepdim=True)).sum(dim=-1) - unit.square().sum(dim=-1)
     column_sums = column_sums - torch.zeros_like(column_sums).scatter_add_(-1, newest, left_out)
     mean = column_sums / held.sum(dim=-1, keepdim=True).clamp(min=1)  # mean over held rows i
@@ -400,7 +408,7 @@ class RKVPolicy(RKV):
     def _chunked_scores(self, queries, query_valid, keys, held, scale) -> torch.Tensor:
         """`rkv_scores` over the leading dimension in chunks of at most `SCORE_BYTES` of temporaries."""
         kv_heads, slots = keys.shape[1], keys.shape[2]
-        step = max(1, SCORE_BYTES // score_bytes(kv_heads, slots, keys.shape[3]))
+        step = max(1, SCORE_BYTES // score_bytes(kv_heads, slots, keys.shape[3], keys.device))
         return torch.cat([
             rkv_scores(
                 queries[i:i + step], query_valid[i:i + step], keys[i:i + step], held[i:i + step], scale,
@@ -419,7 +427,7 @@ class RKVPolicy(RKV):
         per layer would be mostly kernel launches."""
         spec = self.spec
         count = spec.batch if rows is None else len(rows)
-        per_item = score_bytes(spec.kv_heads, self.slots_held, spec.head_dim)  # per (layer, row)
+        per_item = score_bytes(spec.kv_heads, self.slots_held, spec.head_dim, spec.device)  # per (layer, row)
         group = max(1, SCORE_BYTES // (per_item * count))
 
         def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:  # one layer's own buffer is read in place

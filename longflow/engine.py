@@ -145,6 +145,9 @@ class Engine:
         self.scale = next((module.scaling for module in model.modules()
                            if hasattr(module, "scaling") and hasattr(module, "layer_idx")), None)
         self.warmed_sizes: set[int] = set()  # the batch sizes `warm_up` ran
+        # Seconds spent capturing decode-step graphs, summed over batches and queues (verification's
+        # graphs aside): a one-time cost of each, outside every step time.
+        self.capture_seconds = 0.0
         # The decode steps' forward, compiled (`longflow.compile`); None: the model's own, eagerly.
         self.decode_forward = None
         if self.config.compile and self.device.type == "cuda":
@@ -231,6 +234,7 @@ class Engine:
             seconds += stepper.run(min(self.config.check_every, steps - len(seconds)))
             if bool(state.finished.all()):
                 break
+        self.capture_seconds += stepper.capture_seconds
         return seconds, stepper.graph is not None
 
     # ---- a static batch ----------------------------------------------------------------------
@@ -358,6 +362,8 @@ class Engine:
                 for row, index in zip(chunk, indices, strict=True):
                     holder[row], started[row] = index, start
             if all(index is None for index in holder):
+                if verifier is None:
+                    self.capture_seconds += stepper.capture_seconds
                 return
             if verifier is None:
                 step_seconds = stepper.run(self.config.check_every)
@@ -536,6 +542,7 @@ class Stepper:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tried = not (device.type == "cuda" and cuda_graph)
         self.count = 0
+        self.capture_seconds = 0.0
 
     def run(self, steps: int) -> list[float]:
         """Runs `steps` steps; returns the seconds of each."""
@@ -544,7 +551,10 @@ class Stepper:
             step = self.count
             eager = any([policy.before_step(step) for policy in self.policies])  # every policy's hook runs
             if not self.tried and step >= 1 and not eager:
+                start = time.perf_counter()
                 self.graph, self.tried = capture(self.run_step), True
+                synchronize(self.device)
+                self.capture_seconds = time.perf_counter() - start
             # A step's time includes its hooks' work: the interval methods' compressions are part
             # of what a method costs per token (the capture itself, a one-time cost, is not).
             timer.start()

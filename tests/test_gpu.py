@@ -30,7 +30,10 @@ def test_graph_decoding_matches_hf_generate(tiny_cuda):
     engine = Engine(model, lambda: policy_of("vanilla", None), eos_token_ids(model, tokenizer),
                     tokenizer.pad_token_id, EngineConfig(cuda_graph=True))
     result = engine.generate(prompts, GenerationConfig(max_new_tokens=40), [0, 1, 2])
-    assert result.cuda_graph
+    assert result.cuda_graph and engine.capture_seconds > 0  # one capture, timed outside the steps
+    first = engine.capture_seconds
+    engine.generate(prompts, GenerationConfig(max_new_tokens=40), [0, 1, 2])
+    assert engine.capture_seconds > first  # a static batch captures its own graph
     assert result.tokens == hf_generate(model, tokenizer, prompts, max_new_tokens=40, do_sample=False)
 
 

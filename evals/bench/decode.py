@@ -56,6 +56,7 @@ def time_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda_
     generation = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
     seeds = list(range(len(prompts)))
     engine.generate(prompts, GenerationConfig(max_new_tokens=4, ignore_eos=True), seeds)  # warm-up
+    capture_before = engine.capture_seconds
     result = engine.generate(prompts, generation, seeds)
     steps = np.array(result.step_seconds)
     total = result.prefill_seconds + steps.sum()
@@ -68,6 +69,7 @@ def time_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda_
         "peak_kv_slots": max(result.peak_slots), "cuda_graph": result.cuda_graph, "new_tokens": new_tokens,
         "compiled": bool(compiled and not compiled.failed), "tuned": compiled is not None and compiled.tuning,
         "compile_s": compiled.compile_seconds - compile_before if compiled else 0.0,
+        "capture_ms": (engine.capture_seconds - capture_before) * 1e3,
     }
 
 
@@ -98,7 +100,7 @@ def time_hf_generate(model, prompts, new_tokens: int) -> dict:
         "step_ms_p50": step * 1e3, "step_ms_p99": None, "ttft_s": prefill,
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "peak_kv_slots": None, "cuda_graph": False, "new_tokens": new_tokens, "compiled": False, "tuned": False,
-        "compile_s": 0.0,
+        "compile_s": 0.0, "capture_ms": 0.0,
     }
 
 
@@ -109,8 +111,9 @@ def report(row: dict) -> None:
         tuning = " with kernel tuning" if row["tuned"] else ""
         compiled = f", compiled{tuning} (compiling took {row['compile_s']:.1f} s)"
     memory = f", peak memory {row['peak_memory_gb']:.1f} GiB" if row["peak_memory_gb"] else ""
+    captured = f", graph captured in {row['capture_ms']:.1f} ms" if row["cuda_graph"] else ""
     print(f"{row['method']}: {row['tokens_per_s']:.0f} tokens/s, {row['step_ms_p50']:.2f} ms per step"
-          f"{memory}{compiled}", flush=True)
+          f"{memory}{compiled}{captured}", flush=True)
 
 
 def main() -> None:
