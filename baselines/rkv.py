@@ -127,8 +127,11 @@ def rkv_scores(
     candidates = held & (index < slots - protect)
 
     # Importance. Logits of a KV head = max over its query heads (official compute_attention_scores).
-    grouped = queries.float().view(batch, kv_heads, q_heads // kv_heads, window, head_dim)
-    logits = torch.matmul(grouped, keys.unsqueeze(2).transpose(-1, -2)).amax(dim=2) * scale  # [B, Hkv, W, S]
+    # The G query heads' windows as one [G * W, D] block per KV head: one product with the keys as they
+    # are (a broadcast over G would copy them G times), the same products.
+    grouped = queries.float().reshape(batch, kv_heads, q_heads // kv_heads * window, head_dim)
+    logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(batch, kv_heads, -1, window, slots)
+    logits = logits.amax(dim=2) * scale  # [B, Hkv, W, S]
     logits = logits.masked_fill(~older[:, :, None, :], -inf)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row without older keys gives NaN -> 0
     probs = probs * query_valid[:, None, :, None]
@@ -145,15 +148,24 @@ def rkv_scores(
     # off its column: two passes over it (compare, search) instead of about ten (mask, compare,
     # flip, search, scatter, mask, sum), which made this function memory-bound on the S x S
     # temporaries at large batch; and of the symmetric matrix only half is computed
-    # (`newest_duplicates`).
-    norms = keys.norm(dim=-1, keepdim=True) + 1e-8
-    unit = keys / norms * held[..., None]  # [B, Hkv, S, D]
-    # Row i's most recent duplicate j (largest slot = newest position) is not counted in column j.
-    if keys.is_cuda:  # the kernel reads the keys as stored; the interpreter would be too slow on a CPU
-        newest, left_out = kernels.newest_duplicates(stored_keys, held / norms[..., 0], threshold)
+    # (`newest_duplicates`). Row i's most recent duplicate j (largest slot = newest position) is not
+    # counted in column j.
+    key_norms = keys.norm(dim=-1)  # [B, Hkv, S]
+    if keys.is_cuda:
+        # A Triton kernel searches for the duplicates in the keys as stored, and the column sums are
+        # products with the keys, u_j . sum_i u_i = r_j k_j . sum_i r_i k_i with r = held / ||k||:
+        # no [B, Hkv, S, D] temporaries (unit keys and their products), which after the S x S
+        # matrix were most of a compression's memory traffic at Figure 3's batch. The CPU keeps the
+        # unit keys (the interpreter would run the kernel too slowly), with the same sums to float32
+        # rounding.
+        inverse = held / (key_norms + 1e-8)
+        newest, left_out = kernels.newest_duplicates(stored_keys, inverse, threshold)  # [B, Hkv, S] each
+        total = torch.matmul(inverse[..., None, :], keys)  # sum_i u_i, [B, Hkv, 1, D]
+        column_sums = inverse * torch.matmul(keys, total.transpose(-1, -2))[..., 0] - (inverse * key_norms).square()
     else:
-        newest, left_out = newest_duplicates(unit, threshold)  # [B, Hkv, S] each
-    column_sums = (unit * unit.sum(dim=-2, keepdim=True)).sum(dim=-1) - unit.square().sum(dim=-1)
+        unit = keys / (key_norms[..., None] + 1e-8) * held[..., None]  # [B, Hkv, S, D]
+        newest, left_out = newest_duplicates(unit, threshold)
+        column_sums = (unit * unit.sum(dim=-2, keepdim=True)).sum(dim=-1) - unit.square().sum(dim=-1)
     column_sums = column_sums - torch.zeros_like(column_sums).scatter_add_(-1, newest, left_out)
     mean = column_sums / held.sum(dim=-1, keepdim=True).clamp(min=1)  # mean over held rows i
     redundancy = torch.softmax(mean.masked_fill(~held, -inf), dim=-1).nan_to_num(0.0)  # over held j
