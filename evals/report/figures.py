@@ -228,11 +228,11 @@ def legend_below(figure: Figure, handles: list, labels: list[str]) -> None:
     figure.set_figheight(figure.get_figheight() + extent.height / figure.dpi)
 
 
-def save(figure: Figure, path: Path) -> list[Path]:
-    """`path` (a PNG, 150 dpi) and the same figure as a PDF beside it, without a creation date (a
+def save(figure: Figure, path: Path, dpi: int = 150) -> list[Path]:
+    """`path` (a PNG at `dpi`) and the same figure as a PDF beside it, without a creation date (a
     redrawn figure is the same file); returns both paths."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=150)
+    figure.savefig(path, dpi=dpi)
     figure.savefig(path.with_suffix(".pdf"), metadata={"CreationDate": None})
     return [path, path.with_suffix(".pdf")]
 
@@ -379,13 +379,8 @@ def paper_figure(panels: int, x_label: str, y_label: str, columns: int | None = 
 
 
 def save_paper(figure: Figure, stem: Path) -> list[Path]:
-    """`<stem>.png` (300 dpi) and `<stem>.pdf` (without a creation date, so that a redrawn figure is
-    the same file)."""
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    paths = [stem.with_name(stem.name + ".png"), stem.with_name(stem.name + ".pdf")]
-    figure.savefig(paths[0], dpi=300)
-    figure.savefig(paths[1], metadata={"CreationDate": None})  # the same figure, the same file
-    return paths
+    """`<stem>.png` at 300 dpi and `<stem>.pdf` (`save`); `stem` may hold dots (a model's name)."""
+    return save(figure, stem.with_name(stem.name + ".png"), dpi=300)
 
 
 def averaged(runs: pd.DataFrame) -> bool:
@@ -549,15 +544,19 @@ DIVERGENCE_COLOR = "red"  # stands out on both colour maps
 COLORBAR_INCHES = 1.1  # the two colour bars under the columns, with their labels
 
 
-def fidelity_curves(runs: pd.DataFrame, key: str) -> tuple[list[str], np.ndarray]:
-    """The series of `runs` (one (model, item set, budget) cell, in table order) and `[series,
-    steps]` running means of `key` per output step (`trailing_mean`), NaN past a series' last step."""
-    curves = [trailing_mean(peek_records(Path(path) / FIDELITY), key) for path in runs["path"]]
-    steps = max(len(curve) for curve in curves)
-    grid = np.full((len(curves), steps), np.nan)
-    for row, curve in enumerate(curves):
-        grid[row, :len(curve)] = curve
-    return list(runs["series"]), grid
+def fidelity_curves(runs: pd.DataFrame, keys: tuple[str, ...]) -> tuple[list[str], list[np.ndarray]]:
+    """The series of `runs` (one (model, item set, budget) cell, in table order) and, per key of
+    `keys`, `[series, steps]` running means of it per output step (`trailing_mean`), NaN past a
+    series' last step; each run's records are read once."""
+    records = [peek_records(Path(path) / FIDELITY) for path in runs["path"]]
+    grids = []
+    for key in keys:
+        curves = [trailing_mean(run, key) for run in records]
+        grid = np.full((len(curves), max(len(curve) for curve in curves)), np.nan)
+        for row, curve in enumerate(curves):
+            grid[row, :len(curve)] = curve
+        grids.append(grid)
+    return list(runs["series"]), grids
 
 
 def divergence_steps(agreement: np.ndarray) -> list[float]:
@@ -588,8 +587,7 @@ def plot_fidelity(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
     agreement_map, kl_map = None, None
     for row, (model, dataset, rank, budget) in enumerate(cells):
         cell = runs[(runs["model"] == model) & (runs["items"] == dataset) & (runs["budget_rank"] == rank)]
-        series, agreement = fidelity_curves(cell, "agreement")
-        _, kl = fidelity_curves(cell, "kl")
+        series, (agreement, kl) = fidelity_curves(cell, ("agreement", "kl"))
         extent = (-0.5, agreement.shape[1] - 0.5, len(series) - 0.5, -0.5)
         left, right = axes[row]
         agreement_map = left.imshow(agreement * 100.0, aspect="auto", interpolation="nearest", cmap="viridis",

@@ -123,16 +123,16 @@ def resample_counts(items: int, config: BootstrapConfig, stream: int) -> np.ndar
 
 
 def resampled_differences(a: ItemScores, b: ItemScores, config: BootstrapConfig,
-                          stream: int = 0) -> tuple[float, np.ndarray]:
-    """The difference of the scores of `a` and `b` over their common items, and `[resamples]` such
-    differences over items drawn with replacement (the same draw for both). `stream` picks an
-    independent random stream of the seed, for comparisons that are combined (an average over
-    datasets draws each dataset's items apart)."""
+                          stream: int = 0) -> tuple[float, np.ndarray, int]:
+    """The difference of the scores of `a` and `b` over their common items, `[resamples]` such
+    differences over items drawn with replacement (the same draw for both), and the number of
+    common items. `stream` picks an independent random stream of the seed, for comparisons that
+    are combined (an average over datasets draws each dataset's items apart)."""
     numerator, denominator = paired(a, b)  # [2, n] each
     estimate = numerator[0].sum() / denominator[0].sum() - numerator[1].sum() / denominator[1].sum()
     sums = resample_counts(numerator.shape[1], config, stream) @ np.concatenate([numerator, denominator]).T
     scores = sums[:, :2] / sums[:, 2:]  # [resamples, 2]: each run's score in each resample
-    return float(estimate), scores[:, 0] - scores[:, 1]
+    return float(estimate), scores[:, 0] - scores[:, 1], numerator.shape[1]
 
 
 def interval(estimate: float, draws: np.ndarray, items: int, config: BootstrapConfig) -> Difference:
@@ -145,8 +145,7 @@ def interval(estimate: float, draws: np.ndarray, items: int, config: BootstrapCo
 def paired_difference(a: ItemScores, b: ItemScores, config: BootstrapConfig = BootstrapConfig(),
                       stream: int = 0) -> Difference:
     """score(a) - score(b) over their common items, with its paired percentile bootstrap interval."""
-    estimate, draws = resampled_differences(a, b, config, stream)
-    return interval(estimate, draws, paired(a, b)[0].shape[1], config)
+    return interval(*resampled_differences(a, b, config, stream), config)
 
 
 def mean_difference(pairs: list[tuple[ItemScores, ItemScores]], config: BootstrapConfig = BootstrapConfig(),
@@ -158,6 +157,6 @@ def mean_difference(pairs: list[tuple[ItemScores, ItemScores]], config: Bootstra
         raise ValueError("mean_difference needs at least one pair of runs")
     streams = list(range(len(pairs))) if streams is None else streams
     results = [resampled_differences(a, b, config, stream) for stream, (a, b) in zip(streams, pairs, strict=True)]
-    estimate = float(np.mean([estimate for estimate, _ in results]))
-    draws = np.mean([draws for _, draws in results], axis=0)
-    return interval(estimate, draws, sum(paired(a, b)[0].shape[1] for a, b in pairs), config)
+    estimate = float(np.mean([estimate for estimate, _, _ in results]))
+    draws = np.mean([draws for _, draws, _ in results], axis=0)
+    return interval(estimate, draws, sum(items for _, _, items in results), config)
