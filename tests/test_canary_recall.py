@@ -14,7 +14,7 @@ from helpers.reports import is_figure
 
 from evals.canary.eviction_map import draw, held_matrix
 from evals.canary.families import heldout
-from evals.canary.recall import RecallSummary, held_copies, teacher, teacher_forced_recall
+from evals.canary.recall import RecallSummary, held_copies, method_budgets, teacher, teacher_forced_recall
 from evals.configs import model_spec
 from evals.grading import grade
 from evals.pipeline import decode
@@ -111,3 +111,10 @@ def test_the_eviction_map_draws_what_was_held(tmp_path):
     assert matrix[newest, last] == 1.0 and matrix[newest - 200, last] == 0.0 and matrix.sum(axis=0).max() <= 64
     png, pdf = draw([("streaming", recalls[0], trace)], item, 0, "test", tmp_path / "map.png")
     assert is_figure(png) and is_figure(pdf) and pdf.name == "map.pdf"
+
+
+def test_a_sweep_runs_the_full_cache_once_and_every_other_method_at_each_budget():
+    """The budget question answered by the method's class (`uses_budget`), not by its name."""
+    assert method_budgets("vanilla", [96, 192]) == [None]
+    assert method_budgets("h2o", [96, 192]) == [96, 192]
+    assert method_budgets("lkv", [96]) == [96]

@@ -25,6 +25,7 @@ from evals.canary.recall import (
     HeldTrace,
     ReadRecall,
     Teacher,
+    method_budgets,
     policy_factory,
     recording_engine,
     teacher,
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     item = teacher(heldout(args.family, args.item + 1)[args.item], tokenizer)
     panels = []
     for method in args.methods.split(","):
-        budget = None if method == "vanilla" else args.budget
+        budget, = method_budgets(method, [args.budget])
         recall, trace = trace_method(model, tokenizer, method, budget, item)
         panels.append((method if budget is None else f"{method}, {budget} slots", recall, trace))
     out = args.out or Path(f"results/canary_suite/eviction_map_{args.family}.png")

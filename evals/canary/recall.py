@@ -210,6 +210,15 @@ def policy_factory(method: str, budget: int | None) -> Callable[[], KVPolicy]:
     return functools.partial(build_policy, config, budget)
 
 
+def method_budgets(method: str, budgets: list[int]) -> list[int | None]:
+    """The budgets a sweep runs `method` at: `budgets`, or only None for a method that takes none
+    (the full cache: its class's `uses_budget`)."""
+    from evals.configs import method_config
+    from longflow.methods import uses_budget
+
+    return budgets if uses_budget(method_config(method)) else [None]
+
+
 def write(summaries: list[RecallSummary], out: Path) -> None:
     """`<out>.csv` and `<out>.md`: one row per (family, method, budget)."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -248,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     summaries, every = [], {}
     for family in families:
         for method in args.methods.split(","):
-            for budget in [None] if method == "vanilla" else [int(b) for b in args.budgets.split(",")]:
+            for budget in method_budgets(method, [int(b) for b in args.budgets.split(",")]):
                 recalls = family_recall(model, tokenizer, policy_factory(method, budget), family, args.limit,
                                         args.batch_size)
                 summary = RecallSummary.of(family, method, budget, recalls)
