@@ -157,7 +157,7 @@ def test_continuous_batching_under_graphs_gives_each_item_its_own_tokens(tiny_cu
     prompts = [tokenizer(text * repeat)["input_ids"] for text in TEXTS for repeat in (1, 4)]
     limits = [90, 17, 160, 41, 5, 120]
     fields = {} if variant is None else {"variant": variant}
-    budget = None if method == "vanilla" else 300 if (method, variant) == ("rkv", "lf_repo") else 48
+    budget = 300 if (method, variant) == ("rkv", "lf_repo") else 48  # dropped by the full cache (uses_budget)
     generation = GenerationConfig(max_new_tokens=160)
     eos = eos_token_ids(model, tokenizer)
 

@@ -57,7 +57,7 @@ def test_a_finished_batch_frees_its_policy_without_garbage_collection(tiny, meth
     released = []
 
     def factory():
-        policy = policy_of(method, None if method == "vanilla" else 40)
+        policy = policy_of(method, 40)  # the full cache drops it (uses_budget)
         released.append(weakref.ref(policy))
         return policy
 
