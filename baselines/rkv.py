@@ -48,7 +48,7 @@ def score_bytes(kv_heads: int, slots: int, head_dim: int, device: torch.device) 
     return kv_heads * (pairs + slots * head_dim * KEY_BYTES)
 
 
-def newest_duplicates(unit: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+def blocked_newest_duplicates(unit: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
     """For each row i of the similarities S_ij = u_i . u_j of unit keys `[B, Hkv, S, D]`: the newest
     (largest) slot j != i with S_ij > threshold, and that S_ij; slot S - 1 and 0 where there is none.
 
@@ -148,7 +148,7 @@ def rkv_scores(
     # off its column: two passes over it (compare, search) instead of about ten (mask, compare,
     # flip, search, scatter, mask, sum), which made this function memory-bound on the S x S
     # temporaries at large batch; and of the symmetric matrix only half is computed
-    # (`newest_duplicates`). Row i's most recent duplicate j (largest slot = newest position) is not
+    # (`blocked_newest_duplicates`). Row i's most recent duplicate j (largest slot = newest position) is not
     # counted in column j.
     key_norms = keys.norm(dim=-1)  # [B, Hkv, S]
     if keys.is_cuda:
@@ -164,7 +164,7 @@ def rkv_scores(
         column_sums = inverse * torch.matmul(keys, total.transpose(-1, -2))[..., 0] - (inverse * key_norms).square()
     else:
         unit = keys / (key_norms[..., None] + 1e-8) * held[..., None]  # [B, Hkv, S, D]
-        newest, left_out = newest_duplicates(unit, threshold)
+        newest, left_out = blocked_newest_duplicates(unit, threshold)
         column_sums = (unit * unit.sum(dim=-2, keepdim=True)).sum(dim=-1) - unit.square().sum(dim=-1)
     column_sums = column_sums - torch.zeros_like(column_sums).scatter_add_(-1, newest, left_out)
     mean = column_sums / held.sum(dim=-1, keepdim=True).clamp(min=1)  # mean over held rows i

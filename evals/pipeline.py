@@ -176,8 +176,6 @@ class Setup:
         return with_mode(identity, self.reuse_full_cache)
 
 
-
-
 def check_method_files(setup: Setup) -> None:
     """A file the method's config names (a calibration, learned weights) that records the model it
     was made for (`longflow.calibration.made_for`) must have been made for the run's model: the

@@ -145,8 +145,8 @@ class Engine:
         self.scale = next((module.scaling for module in model.modules()
                            if hasattr(module, "scaling") and hasattr(module, "layer_idx")), None)
         self.warmed_sizes: set[int] = set()  # the batch sizes `warm_up` ran
-        # Seconds spent capturing decode-step graphs, summed over batches and queues (verification's
-        # graphs aside): a one-time cost of each, outside every step time.
+        # Seconds spent capturing step graphs (`stepper`), summed over batches, queues and
+        # verification's graphs: a one-time cost of each, outside every step time.
         self.capture_seconds = 0.0
         # The decode steps' forward, compiled (`longflow.compile`); None: the model's own, eagerly.
         self.decode_forward = None
@@ -228,14 +228,21 @@ class Engine:
 
     def run_steps(self, run_step: Callable[[], None], policies, state, steps: int) -> tuple[list[float], bool]:
         """Runs `run_step` up to `steps` times, until every row of `state` has finished (see `Stepper`)."""
-        stepper = Stepper(run_step, policies, self.device, self.config.cuda_graph)
+        stepper = self.stepper(run_step, policies)
         seconds = []
         while len(seconds) < steps:
             seconds += stepper.run(min(self.config.check_every, steps - len(seconds)))
             if bool(state.finished.all()):
                 break
-        self.capture_seconds += stepper.capture_seconds
         return seconds, stepper.graph is not None
+
+    def stepper(self, run_step: Callable[[], None], policies, graph: bool = True) -> Stepper:
+        """A `Stepper` of `run_step` on this engine's device, captured when `engine.cuda_graph` and
+        `graph` allow, its capture time added to `capture_seconds`."""
+        return Stepper(run_step, policies, self.device, self.config.cuda_graph and graph, self.count_capture)
+
+    def count_capture(self, seconds: float) -> None:
+        self.capture_seconds += seconds
 
     # ---- a static batch ----------------------------------------------------------------------
 
@@ -306,8 +313,7 @@ class Engine:
         """The rounds of a batch whose caches are prefilled."""
         self.verify.check_generation(generation)
         return Verifier(self.model, cache, full, state, self.verify.horizon, self.forward,
-                        lambda step, policies, graph: Stepper(step, policies, self.device,
-                                                              self.config.cuda_graph and graph),
+                        self.stepper,
                         None if generation.ignore_eos else self.eos_ids)
 
     # ---- continuous batching -----------------------------------------------------------------
@@ -338,8 +344,7 @@ class Engine:
         cache.policy.begin_serving(state.positions)
         verifier = None
         if full is None:
-            stepper = Stepper(lambda: self.decode_one_token(cache, state, generation), (cache.policy,), self.device,
-                              self.config.cuda_graph)
+            stepper = self.stepper(lambda: self.decode_one_token(cache, state, generation), (cache.policy,))
         else:
             full.policy.begin_serving(state.positions)
             verifier = self.verifier(cache, full, state, generation)
@@ -362,8 +367,6 @@ class Engine:
                 for row, index in zip(chunk, indices, strict=True):
                     holder[row], started[row] = index, start
             if all(index is None for index in holder):
-                if verifier is None:
-                    self.capture_seconds += stepper.capture_seconds
                 return
             if verifier is None:
                 step_seconds = stepper.run(self.config.check_every)
@@ -536,13 +539,14 @@ class Stepper:
     (`before_step`) always run eagerly. Step indices count from the Stepper's creation.
     """
 
-    def __init__(self, run_step: Callable[[], None], policies, device: torch.device, cuda_graph: bool):
+    def __init__(self, run_step: Callable[[], None], policies, device: torch.device, cuda_graph: bool,
+                 on_capture: Callable[[float], None] | None = None):
         self.run_step, self.policies = run_step, policies
         self.device = device
         self.graph: torch.cuda.CUDAGraph | None = None
         self.tried = not (device.type == "cuda" and cuda_graph)
         self.count = 0
-        self.capture_seconds = 0.0
+        self.on_capture = on_capture  # told the capture's seconds (host clock, device drained)
 
     def run(self, steps: int) -> list[float]:
         """Runs `steps` steps; returns the seconds of each."""
@@ -553,8 +557,9 @@ class Stepper:
             if not self.tried and step >= 1 and not eager:
                 start = time.perf_counter()
                 self.graph, self.tried = capture(self.run_step), True
-                synchronize(self.device)
-                self.capture_seconds = time.perf_counter() - start
+                if self.on_capture is not None:
+                    synchronize(self.device)
+                    self.on_capture(time.perf_counter() - start)
             # A step's time includes its hooks' work: the interval methods' compressions are part
             # of what a method costs per token (the capture itself, a one-time cost, is not).
             timer.start()

@@ -10,8 +10,7 @@ import math
 import pytest
 import torch
 
-from baselines.rkv import newest_duplicates as blocked_search
-from baselines.rkv import rkv_scores
+from baselines.rkv import blocked_newest_duplicates, rkv_scores
 from longflow.kernels import newest_duplicates
 from longflow.selection import choose_keep, chosen_mask
 
@@ -63,7 +62,7 @@ def test_matches_the_blocked_search(dtype):
     held = torch.rand(3, 2, 150, generator=torch.Generator().manual_seed(3)) > 0.1
     norms = keys.float().norm(dim=-1, keepdim=True) + 1e-8
     unit = keys.float() / norms * held[..., None]
-    expected_index, expected_similarity = blocked_search(unit, 0.5)
+    expected_index, expected_similarity = blocked_newest_duplicates(unit, 0.5)
     index, similarity = newest_duplicates(keys, held / norms[..., 0], 0.5, block=32)
     assert torch.equal(index, expected_index)
     torch.testing.assert_close(similarity, expected_similarity, atol=1e-6, rtol=1e-5)

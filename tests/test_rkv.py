@@ -280,13 +280,13 @@ def test_scores_match_reference_with_free_slots_among_the_held():
 def test_newest_duplicates_by_hand(slots):
     """Each row's largest j != i with u_i . u_j > threshold (slot S - 1 and 0 without one), free slots
     (zero unit keys) among them, at slot counts that the similarity blocks do not divide."""
-    from baselines.rkv import newest_duplicates
+    from baselines.rkv import blocked_newest_duplicates
 
     generator = torch.Generator().manual_seed(slots)
     keys = torch.randn(2, 2, slots, 6, generator=generator) + torch.randn(2, 2, 1, 6, generator=generator)
     unit = keys / keys.norm(dim=-1, keepdim=True)
     unit[0, 1, ::3] = 0.0  # free slots
-    index, similarity = newest_duplicates(unit, 0.5)
+    index, similarity = blocked_newest_duplicates(unit, 0.5)
     for b in range(2):
         for h in range(2):
             for i in range(slots):
