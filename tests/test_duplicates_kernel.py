@@ -30,15 +30,15 @@ def inverse_norms(keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("slots", [1, 2, 3, 17, 40, 100])
-@pytest.mark.parametrize("block", [16, 64])
-def test_matches_the_rule_by_hand(slots, block):
+@pytest.mark.parametrize("block_rows, block_cols", [(16, 16), (64, 64), (16, 32), (32, 16)])
+def test_matches_the_rule_by_hand(slots, block_rows, block_cols):
     """Several tiles of rows and columns (block 16), a tile that stops early, free slots (r = 0),
     and slot counts that no tile divides."""
     keys = keys_with_duplicates(slots, (2, 2), slots, 24)
     held = torch.ones(2, 2, slots, dtype=torch.bool)
     held[0, 1, ::3] = False
     r = inverse_norms(keys, held)
-    index, similarity = newest_duplicates(keys, r, 0.5, block=block)
+    index, similarity = newest_duplicates(keys, r, 0.5, block_rows=block_rows, block_cols=block_cols)
     unit = keys * r[..., None]
     for b in range(2):
         for h in range(2):
@@ -63,7 +63,7 @@ def test_matches_the_blocked_search(dtype):
     norms = keys.float().norm(dim=-1, keepdim=True) + 1e-8
     unit = keys.float() / norms * held[..., None]
     expected_index, expected_similarity = blocked_newest_duplicates(unit, 0.5)
-    index, similarity = newest_duplicates(keys, held / norms[..., 0], 0.5, block=32)
+    index, similarity = newest_duplicates(keys, held / norms[..., 0], 0.5, block_rows=32, block_cols=32)
     assert torch.equal(index, expected_index)
     torch.testing.assert_close(similarity, expected_similarity, atol=1e-6, rtol=1e-5)
 

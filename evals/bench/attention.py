@@ -293,7 +293,8 @@ def sweep_point(batch: int, slots: int, device: torch.device) -> None:
 
     sets = cache_sets(batch, slots, device)
     scale = HEAD_DIM**-0.5
-    sdpa_ms = graph_ms([sdpa_call(q, k, v)[0] for q, k, v, _ in sets])
+    sdpa_ms = min(graph_ms([sdpa_call(q, k, v, packed, backend)[0] for q, k, v, _ in sets])
+                  for packed, backend in ((False, "flash"), (True, "cudnn")))  # the faster, as the grid's ratio
     base = default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, _multiprocessors(device), _l2_bytes(device))
     other = "fp16" if base.scratch == "fp32" else "fp32"
     variants = [base, replace(base, scratch=other), replace(base, l2_hints=False)]
@@ -303,6 +304,11 @@ def sweep_point(batch: int, slots: int, device: torch.device) -> None:
     variants += [replace(base, splits=base.splits * 2), replace(base, splits=max(1, base.splits // 2))]
     variants += [replace(base, block_s=base.block_s // 2), replace(base, block_s=base.block_s * 2),
                  replace(base, score_warps=8)]
+    variants += [replace(base, score_splits=max(1, base.score_splits // 2)),
+                 replace(base, score_splits=max(1, base.score_splits // 4))]
+    variants += [replace(base, num_stages=base.num_stages - 1), replace(base, num_stages=base.num_stages + 1),
+                 replace(base, num_warps=8), replace(base, block_n=128, num_warps=8),
+                 replace(base, block_n=32, num_stages=base.num_stages + 2), replace(base, splits=base.splits * 3)]
     for config in dict.fromkeys(variants):
         full = graph_ms([lambda c=config, i=inputs: _run(*i, scale, None, c) for inputs in sets])
         attn = graph_ms([lambda c=config, i=inputs: _run(*i, scale, None, c, attention_only=True) for inputs in sets])

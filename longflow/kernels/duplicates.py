@@ -29,7 +29,9 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from longflow.kernels.longflow_attention import _max, _sum  # noqa: E402  (the interpreter-safe reductions)
+from longflow.kernels.reductions import reduce_max, reduce_sum  # noqa: E402
+
+_MAX_GRID_Y = 65535
 
 
 @triton.jit
@@ -40,25 +42,38 @@ def _newest_duplicate_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Program (n, tile): rows `tile * BLOCK_I + [0, BLOCK_I)` of head n, searched newest tile first."""
-    n = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    """Program (tile, n): rows `tile * BLOCK_I + [0, BLOCK_I)` of head n, searched newest tile first.
+
+    The row tiles of one head are the grid's fastest axis, so the programs that read a head's keys
+    run together and mostly find them in L2: with the head first, each program read its columns
+    from DRAM (all S / BLOCK_I row tiles of a head were B * Hkv programs apart). The next column
+    tile is loaded before the current one is multiplied, so its latency hides behind the product
+    (a `while` loop, which the early exit needs, is not software-pipelined by Triton)."""
+    n = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     dims = tl.arange(0, HEAD_DIM_PAD)
     row_ok = rows < slots
     dim_ok = dims < HEAD_DIM
-    row_keys = tl.load(KEYS + n * stride_keys_n + rows[:, None] * stride_keys_s + dims[None, :],
+    head_keys = KEYS + n * stride_keys_n
+    head_norms = INVERSE_NORMS + n * stride_norms_n
+    row_keys = tl.load(head_keys + rows[:, None] * stride_keys_s + dims[None, :],
                        mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_I, HEAD_DIM_PAD]
-    row_norms = tl.load(INVERSE_NORMS + n * stride_norms_n + rows, mask=row_ok, other=0.0)
+    row_norms = tl.load(head_norms + rows, mask=row_ok, other=0.0)
     found = tl.full([BLOCK_I], -1, tl.int32)
     value = tl.full([BLOCK_I], 0.0, tl.float32)
     start = (slots - 1) // BLOCK_J * BLOCK_J
-    missing = _sum(row_ok.to(tl.int32), 0)
+    cols = start + tl.arange(0, BLOCK_J)
+    col_ok = cols < slots
+    col_keys = tl.load(head_keys + cols[:, None] * stride_keys_s + dims[None, :],
+                       mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_J, HEAD_DIM_PAD]
+    col_norms = tl.load(head_norms + cols, mask=col_ok, other=0.0)
+    missing = reduce_sum(row_ok.to(tl.int32), 0)
     while (start >= 0) & (missing > 0):
-        cols = start + tl.arange(0, BLOCK_J)
-        col_ok = cols < slots
-        col_keys = tl.load(KEYS + n * stride_keys_n + cols[:, None] * stride_keys_s + dims[None, :],
-                           mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_J, HEAD_DIM_PAD]
-        col_norms = tl.load(INVERSE_NORMS + n * stride_norms_n + cols, mask=col_ok, other=0.0)
+        next_cols = start - BLOCK_J + tl.arange(0, BLOCK_J)
+        next_ok = next_cols >= 0  # below the oldest tile: nothing loaded
+        next_keys = tl.load(head_keys + next_cols[:, None] * stride_keys_s + dims[None, :],
+                            mask=next_ok[:, None] & dim_ok[None, :], other=0.0)
+        next_norms = tl.load(head_norms + next_cols, mask=next_ok, other=0.0)
         if IEEE:
             products = tl.dot(row_keys, tl.trans(col_keys), input_precision="ieee")
         else:
@@ -66,40 +81,49 @@ def _newest_duplicate_kernel(
         similarity = products * row_norms[:, None] * col_norms[None, :]  # [BLOCK_I, BLOCK_J]
         similarity = tl.where(rows[:, None] == cols[None, :], 0.0, similarity)  # S_ii = 0, then compared
         duplicate = (similarity > threshold) & col_ok[None, :]
-        newest = _max(tl.where(duplicate, cols[None, :], -1), 1)
-        at_newest = _sum(tl.where(cols[None, :] == newest[:, None], similarity, 0.0), 1)
+        newest = reduce_max(tl.where(duplicate, cols[None, :], -1), 1)
+        at_newest = reduce_sum(tl.where(cols[None, :] == newest[:, None], similarity, 0.0), 1)
         take = (found < 0) & (newest >= 0)  # a newer tile's duplicate stands
         found = tl.where(take, newest, found)
         value = tl.where(take, at_newest, value)
-        missing = _sum(((found < 0) & row_ok).to(tl.int32), 0)
+        missing = reduce_sum(((found < 0) & row_ok).to(tl.int32), 0)
         start -= BLOCK_J
+        cols, col_ok, col_keys, col_norms = next_cols, next_ok, next_keys, next_norms
     tl.store(INDEX + n * stride_out_n + rows, tl.where(found < 0, slots - 1, found).to(tl.int64), mask=row_ok)
     tl.store(SIMILARITY + n * stride_out_n + rows, value, mask=row_ok)
 
 
-def newest_duplicates(keys: torch.Tensor, inverse_norms: torch.Tensor, threshold: float,
-                      block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+def newest_duplicates(keys: torch.Tensor, inverse_norms: torch.Tensor, threshold: float, *,
+                      block_rows: int = 64, block_cols: int = 64, num_warps: int = 4
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each key i of `keys` `[..., S, D]`: the newest (largest) slot j != i with
     S_ij = (k_i . k_j) * r_i * r_j > threshold, and that S_ij; slot S - 1 and 0 where there is none.
 
     `inverse_norms` `[..., S]` float32 holds r (0 on a slot not held, so that it adds nothing).
     Returns (slot `[..., S]` int64, similarity `[..., S]` float32), as `baselines.rkv`'s PyTorch path.
+    `block_rows` x `block_cols` (powers of two >= 16) is the tile of one product; the defaults are
+    the H200 sweep's (`python -m evals.bench.duplicates --sweep`, docs/benchmarks.md).
     """
     *lead, slots, head_dim = keys.shape
     if tuple(inverse_norms.shape) != (*lead, slots):
         raise ValueError(f"inverse_norms has shape {tuple(inverse_norms.shape)}, expected {(*lead, slots)}")
+    for name, block in (("block_rows", block_rows), ("block_cols", block_cols)):
+        if block < 16 or block & (block - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {block}")
     flat = keys.reshape(-1, slots, head_dim)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     norms = inverse_norms.reshape(-1, slots).float().contiguous()
     index = torch.empty(norms.shape, dtype=torch.long, device=keys.device)
     similarity = torch.empty(norms.shape, dtype=torch.float32, device=keys.device)
-    if norms.numel():
-        grid = (flat.shape[0], triton.cdiv(slots, block))
+    # The heads are the grid's second axis, which CUDA caps at 65535 programs.
+    for first in range(0, norms.shape[0], _MAX_GRID_Y):
+        heads = slice(first, first + _MAX_GRID_Y)
+        grid = (triton.cdiv(slots, block_rows), norms[heads].shape[0])
         _newest_duplicate_kernel[grid](
-            flat, norms, index, similarity, flat.stride(0), flat.stride(1), norms.stride(0), index.stride(0),
-            slots, float(threshold),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_I=block,
-            BLOCK_J=block, IEEE=keys.dtype == torch.float32,
+            flat[heads], norms[heads], index[heads], similarity[heads], flat.stride(0), flat.stride(1),
+            norms.stride(0), index.stride(0), slots, float(threshold),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_I=block_rows,
+            BLOCK_J=block_cols, IEEE=keys.dtype == torch.float32, num_warps=num_warps,
         )
     return index.view(*lead, slots), similarity.view(*lead, slots)

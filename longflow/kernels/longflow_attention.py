@@ -61,28 +61,10 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from longflow.kernels.reductions import reduce_max, reduce_min, reduce_sum  # noqa: E402
+
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-# Reductions through `tl.reduce` with Triton's own combine functions instead of tl.sum / tl.max /
-# tl.min: those are @triton.jit wrappers, and when Triton was imported before TRITON_INTERPRET was
-# set (transformers' model loading imports torch._dynamo, which imports Triton) they are compiled-only
-# functions that the interpreter cannot call. The interpreter still reduces these with numpy.
-@triton.jit
-def _sum(x, AXIS: tl.constexpr):
-    return tl.reduce(x, AXIS, tl.standard._sum_combine)
-
-
-@triton.jit
-def _max(x, AXIS: tl.constexpr):
-    return tl.reduce(x, AXIS, tl.standard._elementwise_max)
-
-
-@triton.jit
-def _min(x, AXIS: tl.constexpr):
-    return tl.reduce(x, AXIS, tl.standard._elementwise_min)
-
 
 
 @triton.jit
@@ -172,11 +154,11 @@ def _partial_kernel(
         s = tl.where(ok[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
 
         # Online softmax; `m_use` stays finite so that fully masked tiles give 0, never NaN.
-        m_new = tl.maximum(m_i, _max(s, 1))
+        m_new = tl.maximum(m_i, reduce_max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + _sum(p, 1)
+        l_i = l_i * alpha + reduce_sum(p, 1)
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -193,7 +175,7 @@ def _partial_kernel(
             if not VNORM:
                 log_vnorm = 0.0
             elif not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
-                vnorm = _sum(tl.abs(v.to(tl.float32)), 1)[None, :]
+                vnorm = reduce_sum(tl.abs(v.to(tl.float32)), 1)[None, :]
                 log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [1, BLOCK_N]
             elif FP32_DOT:
                 ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, tl.float32)
@@ -256,9 +238,9 @@ def _score_kernel(
     part_mask = h_ok[:, None] & p_ok[None, :]
     m_part = tl.load(M_PART + part_off, mask=part_mask, other=float("-inf"))  # [SEL_HEADS_PAD, SPLITS_PAD]
     l_part = tl.load(L_PART + part_off, mask=part_mask, other=0.0)
-    m_fin = _max(m_part, 1)
+    m_fin = reduce_max(m_part, 1)
     m_use = tl.where(m_fin == float("-inf"), 0.0, m_fin)
-    l_fin = _sum(l_part * tl.exp2(m_part - m_use[:, None]), 1)
+    l_fin = reduce_sum(l_part * tl.exp2(m_part - m_use[:, None]), 1)
     inv_l = tl.where(l_fin > 0, 1.0 / tl.where(l_fin > 0, l_fin, 1.0), 0.0)
 
     if not ONE_SPLIT:  # the row's heads are shared out over all its programs, whatever their selection
@@ -302,7 +284,7 @@ def _score_kernel(
             hi, stride_valid_s, stride_protect_s, stride_received_s, stride_norms_s, h_ok, kv_ok,
             SUBTILE, BLOCK_S, SCRATCH_FP16, HAS_PROTECT, ACCUMULATE, NORMS_MODE, KV_HEADS)
         # p_hj (times ||v_j||_1 for LongFlow), [SEL_HEADS_PAD, SUBTILES, SUBTILE], summed over the heads
-        attention = _sum(tl.exp2(t - m_use[:, None, None]) * inv_l[:, None, None], 0)
+        attention = reduce_sum(tl.exp2(t - m_use[:, None, None]) * inv_l[:, None, None], 0)
         if ACCUMULATE:
             # Every slot of the range, as the eager `received += attention` (0 on free slots).
             score = received + attention
@@ -318,8 +300,8 @@ def _score_kernel(
         better = key < best_key  # strict: each lane keeps its earliest slot among ties
         best_key = tl.where(better, key, best_key)
         best_idx = tl.where(better, slots, best_idx)
-    key_min = _min(_min(best_key, 1), 0)
-    idx_min = _min(_min(tl.where(best_key == key_min, best_idx, 2147483647), 1), 0)
+    key_min = reduce_min(reduce_min(best_key, 1), 0)
+    idx_min = reduce_min(reduce_min(tl.where(best_key == key_min, best_idx, 2147483647), 1), 0)
     # The chosen slot goes to WRITE_HEADS entries of the row's next-slot buffer: its own KV head's
     # (one per head), or every head's when they share the selection.
     offs_w = tl.arange(0, WRITE_HEADS_PAD)
@@ -360,12 +342,12 @@ def _combine_heads(M_PART, L_PART, ACC, OUT, b, part, heads_per_part, n_splits,
         ht_mask = ht_ok[:, None] & p_ok[None, :]
         m_ht = tl.load(M_PART + ht_off, mask=ht_mask, other=float("-inf"))
         l_ht = tl.load(L_PART + ht_off, mask=ht_mask, other=0.0)
-        m_ht_fin = _max(m_ht, 1)
+        m_ht_fin = reduce_max(m_ht, 1)
         weight = tl.exp2(m_ht - tl.where(m_ht_fin == float("-inf"), 0.0, m_ht_fin)[:, None])
-        l_ht_fin = _sum(l_ht * weight, 1)
+        l_ht_fin = reduce_sum(l_ht * weight, 1)
         acc = tl.load(ACC + ht_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
                       mask=ht_mask[:, :, None] & d_ok[None, None, :], other=0.0)
-        out = _sum(acc * weight[:, :, None], 1) / tl.where(l_ht_fin > 0, l_ht_fin, 1.0)[:, None]
+        out = reduce_sum(acc * weight[:, :, None], 1) / tl.where(l_ht_fin > 0, l_ht_fin, 1.0)[:, None]
         tl.store(OUT + ht_rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty),
                  mask=ht_ok[:, None] & d_ok[None, :])
 
@@ -411,7 +393,7 @@ def _score_tile_loads(t_rows, tref_rows, valid_row, protect_row, received_row, n
     elif NORMS_MODE == 2:
         every = tl.load(norms_rows + slots[None, :, :] * stride_norms_s, mask=kv_ok[:, None, None] & s_ok[None, :, :],
                         other=0.0)  # [KV_HEADS_PAD, SUBTILES, SUBTILE]
-        norms = _sum(every, 0) / KV_HEADS
+        norms = reduce_sum(every, 0) / KV_HEADS
     return t, ok, protected, received, norms
 
 
