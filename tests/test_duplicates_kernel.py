@@ -15,6 +15,10 @@ from longflow.kernels import newest_duplicates
 from longflow.selection import choose_keep, chosen_mask
 
 
+# The kernel runs on the GPU where there is one, else through the interpreter on CPU tensors.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def keys_with_duplicates(seed: int, lead: tuple[int, ...], slots: int, head_dim: int) -> torch.Tensor:
     """Keys around a shared direction (so that many pairs pass 0.5) with some exact copies planted."""
     generator = torch.Generator().manual_seed(seed)
@@ -38,7 +42,8 @@ def test_matches_the_rule_by_hand(slots, block_rows, block_cols):
     held = torch.ones(2, 2, slots, dtype=torch.bool)
     held[0, 1, ::3] = False
     r = inverse_norms(keys, held)
-    index, similarity = newest_duplicates(keys, r, 0.5, block_rows=block_rows, block_cols=block_cols)
+    index, similarity = (t.cpu() for t in newest_duplicates(keys.to(DEVICE), r.to(DEVICE), 0.5, block_rows=block_rows,
+                                                            block_cols=block_cols))
     unit = keys * r[..., None]
     for b in range(2):
         for h in range(2):
@@ -63,7 +68,8 @@ def test_matches_the_blocked_search(dtype):
     norms = keys.float().norm(dim=-1, keepdim=True) + 1e-8
     unit = keys.float() / norms * held[..., None]
     expected_index, expected_similarity = blocked_newest_duplicates(unit, 0.5)
-    index, similarity = newest_duplicates(keys, held / norms[..., 0], 0.5, block_rows=32, block_cols=32)
+    index, similarity = (t.cpu() for t in newest_duplicates(keys.to(DEVICE), (held / norms[..., 0]).to(DEVICE), 0.5,
+                                                            block_rows=32, block_cols=32))
     assert torch.equal(index, expected_index)
     torch.testing.assert_close(similarity, expected_similarity, atol=1e-6, rtol=1e-5)
 
