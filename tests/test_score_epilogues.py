@@ -150,17 +150,6 @@ def test_launch_configs(config, score, per_kv_head):
     run_case(score, per_kv_head, 1 / 8, case, config, rtol=2e-2 if config.scratch == "fp16" else 1e-5)
 
 
-@pytest.mark.parametrize("score,per_kv_head,weight", METHOD_SCORES)
-@pytest.mark.parametrize("config", [LaunchConfig(block_n=16, splits=1, block_s=32, fold=True),
-                                    LaunchConfig(block_n=16, splits=1, block_s=16, fold=True, scratch="fp16")],
-                         ids=["fold", "fold_fp16"])
-def test_scores_folded_into_the_attention_pass(score, per_kv_head, weight, config):
-    """The score pass run by the attention programs themselves (one split): each KV head's program for
-    its own selection, or the row's last program for a shared one, after the counter of its KV heads."""
-    case = make_case(3, 8, 2, 70, 16, per_kv_head, seed=200 + METHOD_SCORES.index((score, per_kv_head, weight)))
-    run_case(score, per_kv_head, weight, case, config, rtol=2e-2 if config.scratch == "fp16" else 1e-5)
-
-
 def test_bf16_without_protection():
     case = make_case(3, 8, 2, 50, 32, True, seed=7, dtype=torch.bfloat16)
     run_case("accumulated", True, 1.0, case, use_protect=False)

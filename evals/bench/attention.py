@@ -309,9 +309,6 @@ def sweep_point(batch: int, slots: int, device: torch.device) -> None:
     variants += [replace(base, num_stages=base.num_stages - 1), replace(base, num_stages=base.num_stages + 1),
                  replace(base, num_warps=8), replace(base, block_n=128, num_warps=8),
                  replace(base, block_n=32, num_stages=base.num_stages + 2), replace(base, splits=base.splits * 3)]
-    if base.splits == 1:  # the score in the attention programs, with score tiles of three sizes
-        variants += [replace(base, fold=True, block_s=size) for size in (base.block_s // 2, base.block_s,
-                                                                         base.block_s * 2)]
     for config in dict.fromkeys(variants):
         full = graph_ms([lambda c=config, i=inputs: _run(*i, scale, None, c) for inputs in sets])
         attn = graph_ms([lambda c=config, i=inputs: _run(*i, scale, None, c, attention_only=True) for inputs in sets])

@@ -28,9 +28,10 @@ from longflow.kernels import newest_duplicates
 DEFAULT = dict(block_rows=128, block_cols=64, num_warps=4)  # newest_duplicates' defaults
 
 
-def launch_ms(call, repeats: int) -> float:
-    """Median milliseconds of `call` over `repeats` launches, each between two CUDA events."""
-    call()
+def launch_ms(call, repeats: int) -> tuple[float, object]:
+    """(median milliseconds of `call` over `repeats` launches, each between two CUDA events; what the
+    warm-up call returned)."""
+    result = call()
     times = []
     for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -39,7 +40,7 @@ def launch_ms(call, repeats: int) -> float:
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop))
-    return float(np.median(times))
+    return float(np.median(times)), result
 
 
 def layer_keys(batch: int, kv_heads: int, slots: int, head_dim: int, shared: float, device) -> tuple:
@@ -77,11 +78,11 @@ def main(argv: list[str] | None = None) -> None:
     expected, rows = None, []
     for config in configs:
         try:
-            ms = launch_ms(lambda c=config: newest_duplicates(keys, inverse, args.threshold, **c), args.repeats)
+            ms, (index, _) = launch_ms(lambda c=config: newest_duplicates(keys, inverse, args.threshold, **c),
+                                       args.repeats)
         except Exception as error:  # a tile that needs more shared memory or registers than the GPU has
             print(f"{config}: {type(error).__name__}: {str(error).splitlines()[0]}", flush=True)
             continue
-        index, _ = newest_duplicates(keys, inverse, args.threshold, **config)
         if expected is None:
             expected = index
         rows.append(dict(**config, ms=ms, tflops=flops / ms / 1e9, same_as_default=bool(torch.equal(index, expected)),

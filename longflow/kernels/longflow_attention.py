@@ -75,24 +75,12 @@ def _partial_kernel(
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_valid_b, stride_valid_h, stride_valid_s, stride_lengths,
     n_slots, n_tiles, chunk, n_splits, qk_scale,
-    PROTECT, RECEIVED, NORMS, NEXT_SLOT, FOLD_ARRIVED,
-    stride_protect_b, stride_protect_h, stride_protect_s, stride_received_b, stride_received_h, stride_received_s,
-    stride_norms_b, stride_norms_h, stride_norms_s, stride_next_b, stride_next_h, weight,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr, SCRATCH_FP16: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr,
     VNORM_MMA: tl.constexpr, KV_EVICT: tl.constexpr, T_EVICT: tl.constexpr,
     SCORE: tl.constexpr, BOUNDED: tl.constexpr, VNORM: tl.constexpr, SELECTIONS: tl.constexpr,
-    FOLD: tl.constexpr, Q_HEADS: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_HEADS_PAD: tl.constexpr,
-    KV_HEADS_PAD: tl.constexpr, WRITE_HEADS: tl.constexpr, WRITE_HEADS_PAD: tl.constexpr,
-    BLOCK_S: tl.constexpr, SUBTILE: tl.constexpr, SUBTILES: tl.constexpr, HAS_PROTECT: tl.constexpr,
-    ACCUMULATE: tl.constexpr, NORMS_MODE: tl.constexpr,
 ):
-    """Program (b * Hkv + kv_head, split): the attention pass over the split's slots (module
-    docstring). FOLD (one split per KV head only): the score pass runs here instead of in a launch of
-    its own, as soon as its inputs are final: each KV head's program scores its own selection, or,
-    when the row's KV heads share one, the row's last program to finish (a counter per row) scores
-    the row; the scratch is then read back while it is still in L2, and the second launch goes."""
     tl.static_assert(GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
     tl.static_assert(GROUP <= GROUP_PAD)
@@ -100,7 +88,7 @@ def _partial_kernel(
     split = tl.program_id(1)
     b = (pid // KV_HEADS).to(tl.int64)
     kv_head = pid % KV_HEADS
-    if SCORE and not FOLD:
+    if SCORE:
         if (kv_head < SELECTIONS) & (split == 0):
             # The score kernel's cross-program argmin state of selection (b, kv_head) (it runs after
             # this grid): one per row when the heads share a selection, one per KV head otherwise.
@@ -215,31 +203,6 @@ def _partial_kernel(
     else:
         tl.store(ACC + (rows[:, None] * n_splits + split) * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
 
-    if FOLD:
-        tl.static_assert(SCORE & ONE_SPLIT, "the score folds into the pass only with one split per KV head")
-        # Every thread's stores of the scratch and statistics before any thread reads them, here or,
-        # through the counter's release and acquire, in the row's last program.
-        tl.debug_barrier()
-        if SELECTIONS == 1:
-            last = tl.atomic_add(FOLD_ARRIVED + b, 1, sem="acq_rel", scope="gpu") == KV_HEADS - 1
-            sel = 0
-        else:
-            last = kv_head >= 0
-            sel = kv_head
-        if last:
-            _score_selection(
-                T, TREF, M_PART, L_PART, M_PART, OUT, VALID, PROTECT, RECEIVED, NORMS, FOLD_ARRIVED,
-                FOLD_ARRIVED, NEXT_SLOT,
-                stride_valid_b, stride_valid_h, stride_valid_s, stride_protect_b, stride_protect_h,
-                stride_protect_s, stride_received_b, stride_received_h, stride_received_s,
-                stride_norms_b, stride_norms_h, stride_norms_s, stride_next_b, stride_next_h,
-                n_slots, n_tiles, n_slots, 1, 1, 0, weight,
-                b * SELECTIONS + sel, b, sel, 0,
-                Q_HEADS, SEL_HEADS, SEL_HEADS_PAD, SELECTIONS, KV_HEADS, KV_HEADS_PAD, WRITE_HEADS, WRITE_HEADS_PAD,
-                HEAD_DIM, HEAD_DIM_PAD, 1, 1, BLOCK_S, SUBTILE, SUBTILES, True, True,
-                SCRATCH_FP16, HAS_PROTECT, ACCUMULATE, NORMS_MODE,
-            )
-
 
 @triton.jit
 def _score_kernel(
@@ -255,42 +218,15 @@ def _score_kernel(
     SUBTILES: tl.constexpr, ONE_SPLIT: tl.constexpr, ONE_PART: tl.constexpr, SCRATCH_FP16: tl.constexpr,
     HAS_PROTECT: tl.constexpr, ACCUMULATE: tl.constexpr, NORMS_MODE: tl.constexpr,
 ):
-    """The score pass as a launch of its own, grid `(B * SELECTIONS, n_parts)`: program (pid, part)
-    scores selection pid's slot range `part` (`_score_selection`)."""
+    """One program per selection (row b, and KV head `sel` when each KV head selects its own slot) and
+    slot range. The selection's SEL_HEADS query heads give p_hj; its score is, by the constexprs:
+    `weight * sum_h p_hj` (LongFlow's scratch folds ||v_j||_1 into p), optionally accumulated into
+    RECEIVED in place (ACCUMULATE: score = the accumulated attention) and weighed by NORMS
+    (NORMS_MODE 1: the selection's own KV head's norm, 2: the mean over the KV heads)."""
     pid = tl.program_id(0)
-    _score_selection(
-        T, TREF, M_PART, L_PART, ACC, OUT, VALID, PROTECT, RECEIVED, NORMS, BEST, ARRIVED, NEXT_SLOT,
-        stride_valid_b, stride_valid_h, stride_valid_s, stride_protect_b, stride_protect_h, stride_protect_s,
-        stride_received_b, stride_received_h, stride_received_s, stride_norms_b, stride_norms_h, stride_norms_s,
-        stride_next_b, stride_next_h,
-        n_slots, n_tiles, chunk, n_splits, n_parts, heads_per_part, weight,
-        pid, (pid // SELECTIONS).to(tl.int64), pid % SELECTIONS, tl.program_id(1),
-        Q_HEADS, SEL_HEADS, SEL_HEADS_PAD, SELECTIONS, KV_HEADS, KV_HEADS_PAD, WRITE_HEADS, WRITE_HEADS_PAD,
-        HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, HEAD_TILE, BLOCK_S, SUBTILE, SUBTILES, ONE_SPLIT, ONE_PART,
-        SCRATCH_FP16, HAS_PROTECT, ACCUMULATE, NORMS_MODE,
-    )
-
-
-@triton.jit
-def _score_selection(
-    T, TREF, M_PART, L_PART, ACC, OUT, VALID, PROTECT, RECEIVED, NORMS, BEST, ARRIVED, NEXT_SLOT,
-    stride_valid_b, stride_valid_h, stride_valid_s, stride_protect_b, stride_protect_h, stride_protect_s,
-    stride_received_b, stride_received_h, stride_received_s, stride_norms_b, stride_norms_h, stride_norms_s,
-    stride_next_b, stride_next_h,
-    n_slots, n_tiles, chunk, n_splits, n_parts, heads_per_part, weight,
-    pid, b, sel, part,
-    Q_HEADS: tl.constexpr, SEL_HEADS: tl.constexpr, SEL_HEADS_PAD: tl.constexpr, SELECTIONS: tl.constexpr,
-    KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr, WRITE_HEADS: tl.constexpr, WRITE_HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr, BLOCK_S: tl.constexpr, SUBTILE: tl.constexpr,
-    SUBTILES: tl.constexpr, ONE_SPLIT: tl.constexpr, ONE_PART: tl.constexpr, SCRATCH_FP16: tl.constexpr,
-    HAS_PROTECT: tl.constexpr, ACCUMULATE: tl.constexpr, NORMS_MODE: tl.constexpr,
-):
-    """Selection `pid` = (row b, and KV head `sel` when each KV head selects its own slot), slot range
-    `part` of `n_parts`. The selection's SEL_HEADS query heads give p_hj; its score is, by the
-    constexprs: `weight * sum_h p_hj` (LongFlow's scratch folds ||v_j||_1 into p), optionally
-    accumulated into RECEIVED in place (ACCUMULATE: score = the accumulated attention) and weighed by
-    NORMS (NORMS_MODE 1: the selection's own KV head's norm, 2: the mean over the KV heads)."""
+    b = (pid // SELECTIONS).to(tl.int64)
+    sel = pid % SELECTIONS
+    part = tl.program_id(1)
     offs_h = tl.arange(0, SEL_HEADS_PAD)
     offs_p = tl.arange(0, SPLITS_PAD)
     h_ok = offs_h < SEL_HEADS
@@ -479,7 +415,6 @@ class LaunchConfig:
     prefetch: bool = True  # load the validity mask one tile ahead in the attention pass
     vnorm: str = "mma"  # ||v||_1 as ones @ |v|^T on the tensor cores ("mma") or a reduction ("reduce")
     l2_hints: bool = True  # K/V loaded `evict_first`, the scratch stored `evict_last`
-    fold: bool = False  # the score pass inside the attention pass's programs (used with one split only)
 
     def __post_init__(self):
         for name in ("block_n", "block_s"):
@@ -766,7 +701,23 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
     protect_u8 = protect.view(torch.uint8) if protect is not None else valid_u8
 
     head_dim_pad = triton.next_power_of_2(head_dim)
+    _partial_kernel[(batch * kv_heads, splits)](
+        q, k, v, valid_u8, valid_u8, scratch, tile_ref, m_part, l_part, acc, out, best, arrived,
+        *q.stride(), *k.stride(), *v.stride(), *_mask_strides(valid_u8), 0,
+        slots, n_tiles, chunk, splits, scale * LOG2E,
+        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
+        ONE_SPLIT=splits == 1, SCRATCH_FP16=fp16_scratch, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
+        VNORM_MMA=config.vnorm == "mma", KV_EVICT="evict_first" if config.l2_hints else "",
+        T_EVICT="evict_last" if config.l2_hints else "", SCORE=True, BOUNDED=False, VNORM=score.vnorm,
+        SELECTIONS=selections, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if attention_only:
+        return out
     sel_heads = q_heads // selections
+    heads_per_part = triton.cdiv(q_heads, selections * score_splits)
+    splits_pad = triton.next_power_of_2(splits)
+    head_tile = _head_tile(heads_per_part, splits_pad, head_dim_pad)
     next_slot = epilogue.next_slot
     # A shared selection writes its slot to every column of next_slot; one per KV head, to its own.
     write_heads = 1 if per_kv_head else next_slot.shape[1]
@@ -774,42 +725,18 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
     norms = epilogue.norms if epilogue.norms is not None else scratch
     state_strides = [*(received.stride() if epilogue.received is not None else (0, 0, 0)),
                      *(norms.stride() if epilogue.norms is not None else (0, 0, 0))]
-    selection = dict(
-        Q_HEADS=q_heads, SEL_HEADS=sel_heads, SEL_HEADS_PAD=triton.next_power_of_2(sel_heads),
-        KV_HEADS_PAD=triton.next_power_of_2(kv_heads), WRITE_HEADS=write_heads,
-        WRITE_HEADS_PAD=max(2, triton.next_power_of_2(write_heads)), BLOCK_S=block_s, SUBTILE=subtile,
-        SUBTILES=block_s // subtile, HAS_PROTECT=protect is not None, ACCUMULATE=score.accumulate,
-        NORMS_MODE=score.norms,
-    )
-    fold = config.fold and splits == 1 and not attention_only
-    # The fold's counter of finished KV heads per row starts at zero (a memset node in a graph);
-    # a selection per KV head needs none.
-    fold_arrived = torch.zeros(batch, dtype=torch.int32, device=device) if fold and selections == 1 else arrived
-    _partial_kernel[(batch * kv_heads, splits)](
-        q, k, v, valid_u8, valid_u8, scratch, tile_ref, m_part, l_part, acc, out, best, arrived,
-        *q.stride(), *k.stride(), *v.stride(), *_mask_strides(valid_u8), 0,
-        slots, n_tiles, chunk, splits, scale * LOG2E,
-        protect_u8, received, norms, next_slot, fold_arrived, *_mask_strides(protect_u8), *state_strides,
-        *next_slot.stride(), epilogue.weight,
-        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
-        ONE_SPLIT=splits == 1, SCRATCH_FP16=fp16_scratch, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
-        VNORM_MMA=config.vnorm == "mma", KV_EVICT="evict_first" if config.l2_hints else "",
-        T_EVICT="evict_last" if config.l2_hints else "", SCORE=True, BOUNDED=False, VNORM=score.vnorm,
-        SELECTIONS=selections, FOLD=fold, **selection, num_warps=config.num_warps, num_stages=config.num_stages,
-    )
-    if attention_only or fold:
-        return out
-    heads_per_part = triton.cdiv(q_heads, selections * score_splits)
-    splits_pad = triton.next_power_of_2(splits)
-    head_tile = _head_tile(heads_per_part, splits_pad, head_dim_pad)
     _score_kernel[(batch * selections, score_splits)](
         scratch, tile_ref, m_part, l_part, acc, out, valid_u8, protect_u8, received, norms, best, arrived,
         next_slot, *_mask_strides(valid_u8), *_mask_strides(protect_u8), *state_strides, *next_slot.stride(),
         slots, n_tiles, score_chunk, splits, score_splits, heads_per_part, epilogue.weight,
-        SELECTIONS=selections, KV_HEADS=kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        SPLITS_PAD=splits_pad, HEAD_TILE=head_tile, ONE_SPLIT=splits == 1, ONE_PART=score_splits == 1,
-        SCRATCH_FP16=fp16_scratch, **selection, num_warps=config.score_warps,
+        Q_HEADS=q_heads, SEL_HEADS=sel_heads, SEL_HEADS_PAD=triton.next_power_of_2(sel_heads),
+        SELECTIONS=selections, KV_HEADS=kv_heads, KV_HEADS_PAD=triton.next_power_of_2(kv_heads),
+        WRITE_HEADS=write_heads, WRITE_HEADS_PAD=max(2, triton.next_power_of_2(write_heads)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad,
+        HEAD_TILE=head_tile, BLOCK_S=block_s, SUBTILE=subtile, SUBTILES=block_s // subtile,
+        ONE_SPLIT=splits == 1, ONE_PART=score_splits == 1, SCRATCH_FP16=fp16_scratch,
+        HAS_PROTECT=protect is not None, ACCUMULATE=score.accumulate, NORMS_MODE=score.norms,
+        num_warps=config.score_warps,
     )
     return out
 
@@ -817,11 +744,6 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
 def _head_tile(heads_per_part: int, splits_pad: int, head_dim_pad: int) -> int:
     """Heads combined at once: all splits of HEAD_TILE heads in at most 8192 fp32 registers' worth."""
     return min(triton.next_power_of_2(heads_per_part), max(1, 8192 // (splits_pad * head_dim_pad)))
-
-
-# The score's constexprs of the attention pass when nothing is scored (flash_decode): unused.
-_NO_FOLD = dict(FOLD=False, Q_HEADS=1, SEL_HEADS=1, SEL_HEADS_PAD=1, KV_HEADS_PAD=1, WRITE_HEADS=1, WRITE_HEADS_PAD=2,
-                BLOCK_S=16, SUBTILE=16, SUBTILES=1, HAS_PROTECT=False, ACCUMULATE=False, NORMS_MODE=0)
 
 
 def flash_decode(
@@ -893,12 +815,11 @@ def flash_decode(
         m_part, m_part, *q.stride(), *k.stride(), *v.stride(), *_mask_strides(valid_u8),
         0 if lengths is None else lengths.stride(0),
         slots, 1, chunk, splits, scale * LOG2E,
-        valid_u8, m_part, m_part, m_part, m_part, *([0] * 11), 1.0,
         KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(q_heads // kv_heads)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         ONE_SPLIT=splits == 1, SCRATCH_FP16=False, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
         VNORM_MMA=False, KV_EVICT="evict_first" if config.l2_hints else "", T_EVICT="",
-        SCORE=False, BOUNDED=lengths is not None, VNORM=False, SELECTIONS=1, **_NO_FOLD,
+        SCORE=False, BOUNDED=lengths is not None, VNORM=False, SELECTIONS=1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits == 1:
