@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from longflow.kernels import write_token
+from longflow.kernels import compact_in_place, write_token
 from longflow.selection import first_free
 
 
@@ -181,7 +181,11 @@ class SlotCache:
             keep: `[n, Hkv, S]` bool, the slots kept.
             rank: `[n, Hkv, S]`, the order of the kept slots (ascending, stable); their positions when None.
 
-        K and V, the bytes that count, take two passes when every row is cut (a gather of the kept
+        K and V, the bytes that count: on the GPU, in position order (`rank` None), one kernel moves
+        each kept slot down in place (`compact_in_place`). Its premise, that a kept slot never moves
+        up, is that the held slots are in position order, as every interval method's are (prefill
+        stores the prompt so, decode appends to the first free slot); `tests/test_compaction_kernel.py`
+        checks it for each of them. Otherwise two passes when every row is cut (a gather of the kept
         slots, then the write back with the freed ones zeroed: a move within one buffer needs a
         copy), three for some rows (the rows' kept slots by one indexing read, the zeroing, the
         write into the rows). Freed slots are zeroed, their state set to its fill.
@@ -195,7 +199,9 @@ class SlotCache:
         key = positions if rank is None else rank
         order = torch.where(keep, key, torch.iinfo(torch.long).max).argsort(dim=-1, stable=True)  # [n, Hkv, S]
         kept = keep.gather(-1, order)
-        if rows is None:
+        if rank is None and slots.keys.is_cuda:
+            compact_in_place(slots.keys, slots.values, order, kept, rows)
+        elif rows is None:
             gather = order[..., None].expand(-1, -1, -1, slots.keys.shape[-1])
             for buffer in (slots.keys, slots.values):
                 torch.where(kept[..., None], buffer.gather(2, gather), buffer.new_zeros(()), out=buffer)

@@ -151,6 +151,40 @@ def test_the_compression_never_reads_the_device(qwen3, method, variant, lengths)
         assert all(compactions) == (lengths[0] == lengths[1])  # rows in step: the whole batch in place
 
 
+@LENGTHS
+@pytest.mark.parametrize("method,variant", INTERVAL)
+def test_kept_slots_never_move_up(qwen3, method, variant, lengths):
+    """The premise of the GPU's in-place compaction (`longflow.kernels.compact_in_place`): in every
+    compaction by position (prefill's and each compression's), the j-th kept slot in position order
+    lies at slot j or above, because an interval method's held slots are in position order."""
+    model, tokenizer = qwen3
+    moves_up, by_position = [], []
+
+    def checked(self, layer, rows, keep, rank=None):
+        if rank is None:
+            positions = self.layers[layer].positions
+            positions = positions if rows is None else positions.index_select(0, rows)
+            order = torch.where(keep, positions, torch.iinfo(torch.long).max).argsort(dim=-1, stable=True)
+            moves_up.append(bool((keep.gather(-1, order) & (order < torch.arange(order.shape[-1]))).any()))
+            by_position.append(rows is None)
+        return compact(self, layer, rows, keep, rank)
+
+    compact = SlotCache.compact
+    SlotCache.compact = checked
+    try:
+        prompts = [[5 + (7 * i + 3 * n) % 300 for i in range(n)] for n in lengths]
+        engine = Engine(model, lambda: policy_of(method, BUDGET, **({"variant": variant} if variant else {})), [],
+                        tokenizer.pad_token_id, EngineConfig(compile=False))
+        engine.generate(prompts, GenerationConfig(max_new_tokens=3 * BUDGET, ignore_eos=True), [0, 1, 2])
+    finally:
+        SlotCache.compact = compact
+    if method == "rkv" and variant == "lf_repo":
+        assert not by_position  # it orders its slots by score: the gathers
+    else:
+        assert len(by_position) > model.config.num_hidden_layers, f"{method}: no compression by position ran"
+    assert not any(moves_up)
+
+
 @pytest.mark.gpu
 @LENGTHS
 @pytest.mark.parametrize("method,variant", INTERVAL)
