@@ -120,7 +120,11 @@ def rkv_scores(
     """
     batch, q_heads, window, head_dim = queries.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
-    stored_keys, keys = keys, keys.float()
+    # On the GPU, 16-bit keys are read as stored: their products are exact in the float32 accumulator,
+    # so a float32 copy of them (the largest temporary, and a third of the traffic at Figure 3's
+    # batch) buys nothing. Float32 keys (the canary) keep the float32 path.
+    half = keys.is_cuda and keys.dtype in (torch.float16, torch.bfloat16) and queries.dtype == keys.dtype
+    stored_keys = keys
     inf = float("inf")
     index = torch.arange(slots, device=keys.device)
     older = held & (index < slots - window)  # keys the window queries score, [B, Hkv, S]
@@ -129,9 +133,14 @@ def rkv_scores(
     # Importance. Logits of a KV head = max over its query heads (official compute_attention_scores).
     # The G query heads' windows as one [G * W, D] block per KV head: one product with the keys as they
     # are (a broadcast over G would copy them G times), the same products.
-    grouped = queries.float().reshape(batch, kv_heads, q_heads // kv_heads * window, head_dim)
-    logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(batch, kv_heads, -1, window, slots)
-    logits = logits.amax(dim=2) * scale  # [B, Hkv, W, S]
+    grouped = queries.reshape(batch, kv_heads, q_heads // kv_heads * window, head_dim)
+    if half:
+        logits = torch.bmm(grouped.flatten(0, 1), stored_keys.flatten(0, 1).transpose(-1, -2),
+                           out_dtype=torch.float32)
+    else:
+        keys = keys.float()
+        logits = torch.matmul(grouped.float(), keys.transpose(-1, -2))
+    logits = logits.view(batch, kv_heads, -1, window, slots).amax(dim=2) * scale  # [B, Hkv, W, S]
     logits = logits.masked_fill(~older[:, :, None, :], -inf)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row without older keys gives NaN -> 0
     probs = probs * query_valid[:, None, :, None]
@@ -150,19 +159,25 @@ def rkv_scores(
     # temporaries at large batch; and of the symmetric matrix only half is computed
     # (`blocked_newest_duplicates`). Row i's most recent duplicate j (largest slot = newest position) is not
     # counted in column j.
-    key_norms = keys.norm(dim=-1)  # [B, Hkv, S]
-    if keys.is_cuda:
+    if half:
         # A Triton kernel searches for the duplicates in the keys as stored, and the column sums are
         # products with the keys, u_j . sum_i u_i = r_j k_j . sum_i r_i k_i with r = held / ||k||:
         # no [B, Hkv, S, D] temporaries (unit keys and their products), which after the S x S
-        # matrix were most of a compression's memory traffic at Figure 3's batch. The CPU keeps the
-        # unit keys (the interpreter would run the kernel too slowly), with the same sums to float32
-        # rounding.
+        # matrix were most of a compression's memory traffic at Figure 3's batch; r and the column
+        # sums come from a second kernel, in two reads of the stored keys. Float32 keys take the
+        # same arithmetic in PyTorch's products (the outputs the committed canary runs hold); the
+        # CPU keeps the unit keys (the interpreter would run the kernels too slowly), with the same
+        # sums to float32 rounding.
+        inverse, column_sums = kernels.similarity_sums(stored_keys, held)  # [B, Hkv, S] each
+        newest, left_out = kernels.newest_duplicates(stored_keys, inverse, threshold)
+    elif keys.is_cuda:
+        key_norms = keys.norm(dim=-1)  # [B, Hkv, S]
         inverse = held / (key_norms + 1e-8)
         newest, left_out = kernels.newest_duplicates(stored_keys, inverse, threshold)  # [B, Hkv, S] each
         total = torch.matmul(inverse[..., None, :], keys)  # sum_i u_i, [B, Hkv, 1, D]
         column_sums = inverse * torch.matmul(keys, total.transpose(-1, -2))[..., 0] - (inverse * key_norms).square()
     else:
+        key_norms = keys.norm(dim=-1)  # [B, Hkv, S]
         unit = keys / (key_norms[..., None] + 1e-8) * held[..., None]  # [B, Hkv, S, D]
         newest, left_out = blocked_newest_duplicates(unit, threshold)
         column_sums = (unit * unit.sum(dim=-2, keepdim=True)).sum(dim=-1) - unit.square().sum(dim=-1)

@@ -1,8 +1,9 @@
 """Decode kernels: LongFlow's fused Triton attention and its plain PyTorch reference, the same kernel
 with the score epilogues of the other step methods (`scored_attention`: H2O, VATP, TOVA), its
 flash-decoding pass without the score (`flash_decode`, vanilla's attention), the decode token's
-slot write (`write_token`), R-KV's newest near-duplicate search (`newest_duplicates`), and an
-interval method's compaction of K and V in place (`compact_in_place`).
+slot write (`write_token`), R-KV's newest near-duplicate search (`newest_duplicates`) and its
+similarities' column sums (`similarity_sums`), and an interval method's compaction of K and V in
+place (`compact_in_place`).
 
 The kernel module is imported here, eagerly, so that the package attribute `longflow_attention` is
 the function (a later `import longflow.kernels.longflow_attention` does not rebind it to the
@@ -17,6 +18,7 @@ try:
     from longflow.kernels.compaction import compact_in_place
     from longflow.kernels.duplicates import newest_duplicates
     from longflow.kernels.longflow_attention import flash_decode, longflow_attention, scored_attention
+    from longflow.kernels.similarity_sums import similarity_sums
     from longflow.kernels.slot_write import write_token
 except ImportError as error:  # Triton is a Linux-only dependency
     _triton_error = error
@@ -36,9 +38,12 @@ except ImportError as error:  # Triton is a Linux-only dependency
     def newest_duplicates(*args, **kwargs):
         raise ImportError(f"the duplicate-search kernel needs Triton: {_triton_error}")
 
+    def similarity_sums(*args, **kwargs):
+        raise ImportError(f"the similarity-sums kernel needs Triton: {_triton_error}")
+
     def compact_in_place(*args, **kwargs):
         raise ImportError(f"the compaction kernel needs Triton: {_triton_error}")
 
 
 __all__ = ["compact_in_place", "flash_decode", "longflow_attention", "newest_duplicates", "reference",
-           "scored_attention", "write_token"]
+           "scored_attention", "similarity_sums", "write_token"]
