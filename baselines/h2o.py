@@ -55,7 +55,16 @@ from dataclasses import dataclass
 import torch
 
 from longflow.errors import UserError
-from longflow.policy import FUSED_KERNELS, VARIANTS, FusedScore, KVPolicy, Observation, fused_kernel, one_of, overrides
+from longflow.policy import (
+    DECODE_KERNELS,
+    VARIANTS,
+    FusedScore,
+    KVPolicy,
+    Observation,
+    one_of,
+    overrides,
+    triton_decode,
+)
 from longflow.selection import sink_mask
 from longflow.slots import SlotState
 
@@ -114,7 +123,7 @@ class H2OPolicy(KVPolicy):
     def __post_init__(self):
         super().__post_init__()
         one_of(self.name, "variant", self.variant, VARIANTS)
-        one_of(self.name, "use_kernel", self.use_kernel, FUSED_KERNELS)
+        one_of(self.name, "use_kernel", self.use_kernel, DECODE_KERNELS)
         if not 0 <= self.heavy_ratio < 1:
             raise UserError(f"{self.name}: heavy_ratio must be in [0, 1), got {self.heavy_ratio}")
         if self.compress_every != 1:
@@ -168,7 +177,7 @@ class H2OPolicy(KVPolicy):
     def fused_score(self, q: torch.Tensor) -> FusedScore | None:
         """`score` in the fused kernel: the accumulated attention per KV head (paper), the step's
         attention summed over all heads (lf_repo)."""
-        if not fused_kernel(self.use_kernel, q) or overrides(self, H2OPolicy, ("score", "weigh", "held_value_norms")):
+        if not triton_decode(self.use_kernel, q) or overrides(self, H2OPolicy, ("score", "weigh", "held_value_norms")):
             return None
         return FusedScore("accumulated", received="received") if self.accumulate else FusedScore("attention")
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from longflow.attention import window_probs
-from longflow.policy import FUSED_KERNELS, FusedScore, KVPolicy, Observation, fused_kernel, one_of, overrides
+from longflow.policy import DECODE_KERNELS, FusedScore, KVPolicy, Observation, one_of, overrides, triton_decode
 
 
 @dataclass(eq=False)
@@ -43,11 +43,11 @@ class TOVAPolicy(KVPolicy):
 
     def __post_init__(self):
         super().__post_init__()
-        one_of(self.name, "use_kernel", self.use_kernel, FUSED_KERNELS)
+        one_of(self.name, "use_kernel", self.use_kernel, DECODE_KERNELS)
 
     def fused_score(self, q: torch.Tensor) -> FusedScore | None:
         """`score` in the fused kernel: the step's attention summed over every query head, / Hq."""
-        if not fused_kernel(self.use_kernel, q) or overrides(self, TOVAPolicy, ("score",)):
+        if not triton_decode(self.use_kernel, q) or overrides(self, TOVAPolicy, ("score",)):
             return None
         return FusedScore("attention", weight=1 / q.shape[1])
 

@@ -21,9 +21,7 @@ import torch
 
 from longflow.attention import decode_attention
 from longflow.kernels import flash_decode
-from longflow.policy import ALIGN, CacheSpec, KVPolicy, one_of, round_up
-
-KERNELS = ("auto", "triton", "eager")
+from longflow.policy import ALIGN, DECODE_KERNELS, CacheSpec, KVPolicy, one_of, round_up, triton_decode
 
 
 @dataclass(eq=False)
@@ -41,7 +39,7 @@ class VanillaPolicy(KVPolicy):
     def __post_init__(self):
         self.budget = None  # built directly (tests) with a budget: still the full cache
         super().__post_init__()
-        one_of(self.name, "use_kernel", self.use_kernel, KERNELS)
+        one_of(self.name, "use_kernel", self.use_kernel, DECODE_KERNELS)
 
     def capacity(self, spec: CacheSpec) -> int:
         # Rounded up so that the eager decode matmuls' rows stay 16-byte aligned (see `ALIGN`).
@@ -63,7 +61,7 @@ class VanillaPolicy(KVPolicy):
         # last slot (its last token is never stored); a row that decodes padding past its end
         # (continuous batching) keeps overwriting that slot instead, next_slot being clamped to it.
         next_slot = self.next_slot[layer]  # [B, Hkv], every head equal
-        if self.use_kernel == "triton" or (self.use_kernel == "auto" and q.is_cuda):
+        if triton_decode(self.use_kernel, q):
             return flash_decode(q, slots.keys, slots.values, slots.valid[:, 0], next_slot[:, 0], scale)
         out, _ = decode_attention(q, slots.keys, slots.values, slots.valid, scale)
         return out

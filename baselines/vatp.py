@@ -34,7 +34,7 @@ import torch
 
 from baselines.h2o import H2OPolicy
 from longflow.errors import UserError
-from longflow.policy import FusedScore, Observation, fused_kernel, overrides
+from longflow.policy import FusedScore, Observation, overrides, triton_decode
 from longflow.slots import SlotState
 
 
@@ -74,7 +74,7 @@ class VATPPolicy(H2OPolicy):
     def fused_score(self, q: torch.Tensor) -> FusedScore | None:
         """`score` in the fused kernel: accumulated attention x the KV head's own ||v||_1 (paper); the
         step's attention averaged over the query heads x ||v||_2 averaged over the KV heads (lf_repo)."""
-        if not fused_kernel(self.use_kernel, q) or overrides(self, VATPPolicy, ("score", "weigh", "held_value_norms")):
+        if not triton_decode(self.use_kernel, q) or overrides(self, VATPPolicy, ("score", "weigh", "held_value_norms")):
             return None
         if self.accumulate:
             return FusedScore("accumulated_vnorm", received="received", norms="norms")

@@ -85,10 +85,11 @@ STORAGE_HOOKS = ("capacity", "layer_capacities", "head_capacities", "prefill_kee
                  "allocate", "begin_prefill", "begin_decode", "begin_serving", "admit", "before_step",
                  "after_step", "store", "attend", "decode", "attention_only", "choose_next_slot", "store_prompt",
                  "compress", "keep_masks")
-# A step method's decode kernel (its `use_kernel` field, where it has one): `auto`, the fused kernel with
-# its score epilogue on CUDA (`fused_score`) and the eager attention with probabilities elsewhere;
-# `triton`, the kernel everywhere (Triton's interpreter on the CPU: tests); `eager`.
-FUSED_KERNELS = ("auto", "triton", "eager")
+# A step method's decode kernel (its `use_kernel` field, where it has one): `auto`, the Triton kernel on
+# CUDA (the fused kernel with the method's score epilogue, `fused_score`; vanilla's flash decoding)
+# and the eager attention elsewhere; `triton`, the kernel everywhere (Triton's interpreter on the CPU:
+# tests); `eager`.
+DECODE_KERNELS = ("auto", "triton", "eager")
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -170,8 +171,8 @@ class FusedScore:
     norms: str | None = None
 
 
-def fused_kernel(use_kernel: str, q: torch.Tensor) -> bool:
-    """Whether a `use_kernel` field (`FUSED_KERNELS`) picks the fused kernel for a step on q's device."""
+def triton_decode(use_kernel: str, q: torch.Tensor) -> bool:
+    """Whether a `use_kernel` field (`DECODE_KERNELS`) picks the Triton kernel for a step on q's device."""
     return use_kernel == "triton" or (use_kernel == "auto" and q.is_cuda)
 
 

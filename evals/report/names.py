@@ -27,6 +27,9 @@ METHOD_NAMES = {"vanilla": "FullKV", "streaming": "StreamingLLM", "h2o": "H2O", 
                 "ams_longflow": "AMS (LongFlow)", "rpc": "RPC", "random_attention": "Random Attention",
                 "beaconkv": "BeaconKV", "infokv": "InfoKV", "kara": "Kara", "compresskv": "CompressKV",
                 "lkv": "LKV", "longflow": "LongFlow"}
+# conf/verify names -> display names: a run drafted by a method and checked by one of these is labelled
+# "<method> + <name>" (a verify config not listed shows its config name).
+VERIFY_NAMES = {"vericache": "VeriCache"}
 # conf/model keys -> the names papers use (DeepSeek's distilled models without the "DeepSeek-").
 MODEL_NAMES = {
     "qwen3_4b": "Qwen3-4B", "qwen3_8b": "Qwen3-8B", "r1_distill_llama_8b": "R1-Distill-Llama-8B",

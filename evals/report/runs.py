@@ -16,7 +16,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from evals.report.names import DEFAULT_VARIANT, dataset_name, dataset_sort_key, method_label, method_rank, model_name
+from evals.report.names import (
+    DEFAULT_VARIANT,
+    VERIFY_NAMES,
+    dataset_name,
+    dataset_sort_key,
+    method_label,
+    method_rank,
+    model_name,
+)
 from evals.store import METRICS, PROVENANCE, planned_items, stable_hash
 from longflow.errors import UserError
 
@@ -163,8 +171,8 @@ def label(runs: pd.DataFrame) -> pd.DataFrame:
     modes = runs["budget_mode"] if "budget_mode" in runs else pd.Series(None, index=runs.index, dtype=object)
     runs["method_label"] = [method_label(m, v, b) for m, v, b in zip(runs["method"], runs["variant"], modes,
                                                                       strict=True)]
-    if "verify" in runs:  # the method drafting for VeriCache (`verify=vericache`) is a row of its own
-        runs["method_label"] = [f"{name} + VeriCache" if verify == "vericache" else name
+    if "verify" in runs:  # a method drafting for a verifier (`verify=vericache`) is a row of its own
+        runs["method_label"] = [f"{name} + {VERIFY_NAMES.get(verify, verify)}" if isinstance(verify, str) else name
                                 for name, verify in zip(runs["method_label"], runs["verify"], strict=True)]
     runs["method_rank"] = runs["method"].map(method_rank)
     runs["budget_label"] = [
