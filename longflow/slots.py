@@ -184,11 +184,12 @@ class SlotCache:
         K and V, the bytes that count: on the GPU, in position order (`rank` None), one kernel moves
         each kept slot down in place (`compact_in_place`). Its premise, that a kept slot never moves
         up, is that the held slots are in position order, as every interval method's are (prefill
-        stores the prompt so, decode appends to the first free slot); `tests/test_compaction_kernel.py`
-        checks it for each of them. Otherwise two passes when every row is cut (a gather of the kept
-        slots, then the write back with the freed ones zeroed: a move within one buffer needs a
-        copy), three for some rows (the rows' kept slots by one indexing read, the zeroing, the
-        write into the rows). Freed slots are zeroed, their state set to its fill.
+        stores the prompt so, decode appends to the first free slot);
+        `tests/test_interval_compression.py::test_kept_slots_never_move_up` checks it for each of
+        them. Otherwise two passes when every row is cut (a gather of the kept slots, then the write
+        back with the freed ones zeroed: a move within one buffer needs a copy), three for some rows
+        (the rows' kept slots by one indexing read, the zeroing, the write into the rows). Freed
+        slots are zeroed, their state set to its fill.
         """
         slots = self.layers[layer]
 

@@ -29,7 +29,8 @@ state's positions and output index; K/V and per-slot scores keep whatever they h
 this benchmark alone: the library's decode path is the one `generate` runs. The time of the output
 is then the setup (allocation, prefill, first token) + the eager step + the capture + the sum over
 every later step of the step time interpolated linearly between the timed points + one measured
-compression cost per compression the policy's schedule makes (`schedule`). `--validate` compares
+compression cost per compression the policy's schedule makes (`schedule`); an interval method's first
+compression runs once untimed before the windows, since the process's first one compiles kernels. `--validate` compares
 this estimate with the wall time of a full `Engine.generate` at the same setting.
 
 The largest batch. The engine allocates every cache buffer when a batch starts (`new_cache`), so
