@@ -8,8 +8,9 @@
 The model is built from `conf/model/<name>.yaml` with random weights and fed random prompts of
 `--prompt` tokens; EOS is ignored, so every row generates `--new` tokens. The compressing methods
 run at `--budget` slots, by default `--budget-fraction` (20%) of prompt + new tokens rounded to a
-multiple of 16. Writes `fig3.csv` (one row per method and batch that fits) and `fig3.png`. No
-Hydra: the GPU image lacks it. An interval method's compressions have columns of their own:
+multiple of 16. Writes `fig3.csv` (one row per method and batch that fits) and `fig3.png`. The
+model and method configs are composed by Hydra (`evals.configs`): install hydra-core where the GPU
+image lacks it. An interval method's compressions have columns of their own:
 `compressions` (over the output), `compression_ms` (what one adds to its step, the mean over the
 `compressions_timed` that fell in the timed windows), `compressions_ms_total` (their product) and
 `compressions_share` (of the output's time).
