@@ -124,7 +124,7 @@ def rkv_scores(
     # so a float32 copy of them (the largest temporary, and a third of the traffic at Figure 3's
     # batch) buys nothing. Float32 keys (the canary) keep the float32 path.
     half = keys.is_cuda and keys.dtype in (torch.float16, torch.bfloat16) and queries.dtype == keys.dtype
-    stored_keys = keys
+    stored_keys, keys = keys, (keys if half else keys.float())  # `keys`: float32 except on the 16-bit path
     inf = float("inf")
     index = torch.arange(slots, device=keys.device)
     older = held & (index < slots - window)  # keys the window queries score, [B, Hkv, S]
@@ -135,10 +135,8 @@ def rkv_scores(
     # are (a broadcast over G would copy them G times), the same products.
     grouped = queries.reshape(batch, kv_heads, q_heads // kv_heads * window, head_dim)
     if half:
-        logits = torch.bmm(grouped.flatten(0, 1), stored_keys.flatten(0, 1).transpose(-1, -2),
-                           out_dtype=torch.float32)
+        logits = torch.bmm(grouped.flatten(0, 1), keys.flatten(0, 1).transpose(-1, -2), out_dtype=torch.float32)
     else:
-        keys = keys.float()
         logits = torch.matmul(grouped.float(), keys.transpose(-1, -2))
     logits = logits.view(batch, kv_heads, -1, window, slots).amax(dim=2) * scale  # [B, Hkv, W, S]
     logits = logits.masked_fill(~older[:, :, None, :], -inf)
@@ -168,8 +166,8 @@ def rkv_scores(
         # same arithmetic in PyTorch's products (the outputs the committed canary runs hold); the
         # CPU keeps the unit keys (the interpreter would run the kernels too slowly), with the same
         # sums to float32 rounding.
-        inverse, column_sums = kernels.similarity_sums(stored_keys, held)  # [B, Hkv, S] each
-        newest, left_out = kernels.newest_duplicates(stored_keys, inverse, threshold)
+        inverse, column_sums = kernels.similarity_sums(keys, held)  # [B, Hkv, S] each
+        newest, left_out = kernels.newest_duplicates(keys, inverse, threshold)
     elif keys.is_cuda:
         key_norms = keys.norm(dim=-1)  # [B, Hkv, S]
         inverse = held / (key_norms + 1e-8)

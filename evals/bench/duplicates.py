@@ -16,6 +16,7 @@ products of a full walk (2 D S^2 per head), whatever the early exits skipped. Ne
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 
 import numpy as np
@@ -25,7 +26,8 @@ import torch
 from evals.bench.common import write_table
 from longflow.kernels import newest_duplicates
 
-DEFAULT = dict(block_rows=128, block_cols=64, num_warps=4)  # newest_duplicates' defaults
+DEFAULT = {name: parameter.default for name, parameter in inspect.signature(newest_duplicates).parameters.items()
+           if parameter.kind is inspect.Parameter.KEYWORD_ONLY}  # the kernel's own launch defaults
 
 
 def launch_ms(call, repeats: int) -> tuple[float, object]:

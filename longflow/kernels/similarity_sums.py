@@ -26,6 +26,21 @@ from longflow.kernels.reductions import reduce_sum  # noqa: E402
 
 
 @triton.jit
+def _key_block(keys, HELD, start, slots, stride_keys_s,
+               HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Slots `start + [0, BLOCK)` of one head: (slots, in range, keys as float32 `[BLOCK, HEAD_DIM_PAD]`,
+    norms, r = held / (norm + 1e-8))."""
+    rows = start + tl.arange(0, BLOCK)
+    row_ok = rows < slots
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    block = tl.load(keys + rows[:, None] * stride_keys_s + dims[None, :],
+                    mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0).to(tl.float32)
+    held = tl.load(HELD + rows, mask=row_ok, other=0) != 0
+    norms = tl.sqrt(reduce_sum(block * block, 1))
+    return rows, row_ok, block, norms, tl.where(held, 1.0 / (norms + 1e-8), 0.0)
+
+
+@triton.jit
 def _similarity_sums_kernel(
     KEYS, HELD, INVERSE_NORMS, SUMS,
     stride_keys_n, stride_keys_s, stride_held_n, stride_out_n,
@@ -33,27 +48,16 @@ def _similarity_sums_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
-    keys = KEYS + n * stride_keys_n
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_ok = dims < HEAD_DIM
+    keys, held = KEYS + n * stride_keys_n, HELD + n * stride_held_n
     total = tl.zeros([HEAD_DIM_PAD], tl.float32)  # t = sum_i r_i k_i
     for start in range(0, slots, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        row_ok = rows < slots
-        block = tl.load(keys + rows[:, None] * stride_keys_s + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
-                        other=0.0).to(tl.float32)
-        held = tl.load(HELD + n * stride_held_n + rows, mask=row_ok, other=0) != 0
-        inverse = tl.where(held, 1.0 / (tl.sqrt(reduce_sum(block * block, 1)) + 1e-8), 0.0)
+        rows, row_ok, block, _, inverse = _key_block(keys, held, start, slots, stride_keys_s,
+                                                     HEAD_DIM, HEAD_DIM_PAD, BLOCK)
         tl.store(INVERSE_NORMS + n * stride_out_n + rows, inverse, mask=row_ok)
         total += reduce_sum(block * inverse[:, None], 0)
-    for start in range(0, slots, BLOCK):
-        rows = start + tl.arange(0, BLOCK)
-        row_ok = rows < slots
-        block = tl.load(keys + rows[:, None] * stride_keys_s + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :],
-                        other=0.0).to(tl.float32)
-        held = tl.load(HELD + n * stride_held_n + rows, mask=row_ok, other=0) != 0
-        norms = tl.sqrt(reduce_sum(block * block, 1))  # recomputed: another thread stored r
-        inverse = tl.where(held, 1.0 / (norms + 1e-8), 0.0)
+    for start in range(0, slots, BLOCK):  # r recomputed, not read back: other threads stored it
+        rows, row_ok, block, norms, inverse = _key_block(keys, held, start, slots, stride_keys_s,
+                                                         HEAD_DIM, HEAD_DIM_PAD, BLOCK)
         sums = inverse * reduce_sum(block * total[None, :], 1) - (inverse * norms) * (inverse * norms)
         tl.store(SUMS + n * stride_out_n + rows, sums, mask=row_ok)
 
