@@ -34,21 +34,23 @@ def inverse_norms(keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("slots", [1, 2, 3, 17, 40, 100])
 @pytest.mark.parametrize("block_rows, block_cols", [(16, 16), (64, 64), (16, 32), (32, 16)])
-def test_matches_the_rule_by_hand(slots, block_rows, block_cols):
+@pytest.mark.parametrize("threshold", [0.5, -0.1])
+def test_matches_the_rule_by_hand(slots, block_rows, block_cols, threshold):
     """Several tiles of rows and columns (block 16), a tile that stops early, free slots (r = 0),
-    and slot counts that no tile divides."""
+    and slot counts that no tile divides. Below zero every similarity of 0 passes: a free slot's,
+    S_ii's, but not a column past the last slot's in the newest tile."""
     keys = keys_with_duplicates(slots, (2, 2), slots, 24)
     held = torch.ones(2, 2, slots, dtype=torch.bool)
     held[0, 1, ::3] = False
     r = inverse_norms(keys, held)
-    index, similarity = (t.cpu() for t in newest_duplicates(keys.to(DEVICE), r.to(DEVICE), 0.5, block_rows=block_rows,
-                                                            block_cols=block_cols))
+    index, similarity = (t.cpu() for t in newest_duplicates(keys.to(DEVICE), r.to(DEVICE), threshold,
+                                                            block_rows=block_rows, block_cols=block_cols))
     unit = keys * r[..., None]
     for b in range(2):
         for h in range(2):
             for i in range(slots):
                 sims = [float(unit[b, h, i] @ unit[b, h, j]) if j != i else 0.0 for j in range(slots)]
-                above = [j for j in range(slots) if sims[j] > 0.5]
+                above = [j for j in range(slots) if sims[j] > threshold]
                 expected = max(above, default=slots - 1)
                 assert int(index[b, h, i]) == expected, (b, h, i)
                 value = sims[expected] if above else 0.0

@@ -9,7 +9,7 @@ slot down, with the products on the tensor cores; a tile stops as soon as each o
 found a duplicate (its newest one lies in the newest tile that holds one), and nothing of size
 S x S is written.
 
-Arithmetic: S_ij = (k_i . k_j) * r_i * r_j, with r = held / (||k|| + 1e-8), the unit keys'
+Arithmetic: S_ij = ((k_i . k_j) * r_j) * r_i, with r = held / (||k|| + 1e-8), the unit keys'
 similarity of the PyTorch path regrouped. For bf16 / fp16 keys the products are exact in the fp32
 accumulator; fp32 keys are multiplied in IEEE fp32 (no TF32). Either way S_ij can differ from the
 PyTorch value by a few float32 roundings, so a similarity within ~1e-6 of the threshold may fall on
@@ -67,6 +67,7 @@ def _newest_duplicate_kernel(
     col_keys = tl.load(head_keys + cols[:, None] * stride_keys_s + dims[None, :],
                        mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_J, HEAD_DIM_PAD]
     col_norms = tl.load(head_norms + cols, mask=col_ok, other=0.0)
+    first_row = tl.program_id(0) * BLOCK_I
     missing = reduce_sum(row_ok.to(tl.int32), 0)
     while (start >= 0) & (missing > 0):
         next_cols = start - BLOCK_J + tl.arange(0, BLOCK_J)
@@ -78,17 +79,29 @@ def _newest_duplicate_kernel(
             products = tl.dot(row_keys, tl.trans(col_keys), input_precision="ieee")
         else:
             products = tl.dot(row_keys, tl.trans(col_keys))
-        similarity = products * row_norms[:, None] * col_norms[None, :]  # [BLOCK_I, BLOCK_J]
-        similarity = tl.where(rows[:, None] == cols[None, :], 0.0, similarity)  # S_ii = 0, then compared
-        duplicate = (similarity > threshold) & col_ok[None, :]
-        newest = reduce_max(tl.where(duplicate, cols[None, :], -1), 1)
-        at_newest = reduce_sum(tl.where(cols[None, :] == newest[:, None], similarity, 0.0), 1)
-        take = (found < 0) & (newest >= 0)  # a newer tile's duplicate stands
-        found = tl.where(take, newest, found)
-        value = tl.where(take, at_newest, value)
-        missing = reduce_sum(((found < 0) & row_ok).to(tl.int32), 0)
+        # The epilogue runs on every element of the walk, beside a product on the tensor cores, so
+        # it is one product and one maximum per element; what only some tiles need is branched on
+        # per tile. S_ij = (k_i . k_j r_j) r_i, and r_i >= 0 keeps the order of a row: its largest
+        # S_ij is its largest k_i . k_j r_j times r_i, so a row has a duplicate in the tile iff that
+        # passes the threshold, and the duplicates are looked for only in the tiles where one does.
+        scaled = products * col_norms[None, :]  # [BLOCK_I, BLOCK_J]
+        if (start < first_row + BLOCK_I) & (start + BLOCK_J > first_row):  # S_ii = 0, then compared
+            scaled = tl.where(rows[:, None] == cols[None, :], 0.0, scaled)
+        if start + BLOCK_J > slots:  # the newest tile: no slot past the last one
+            largest = reduce_max(tl.where(cols[None, :] < slots, scaled, float("-inf")), 1)
+        else:
+            largest = reduce_max(scaled, 1)
+        take = (found < 0) & (largest * row_norms > threshold)  # a newer tile's duplicate stands
+        if reduce_max(take.to(tl.int32), 0) > 0:
+            similarity = scaled * row_norms[:, None]
+            duplicate = (similarity > threshold) & (cols < slots)[None, :]
+            newest = reduce_max(tl.where(duplicate, cols[None, :], -1), 1)
+            at_newest = reduce_sum(tl.where(cols[None, :] == newest[:, None], similarity, 0.0), 1)
+            found = tl.where(take, newest, found)
+            value = tl.where(take, at_newest, value)
+            missing = reduce_sum(((found < 0) & row_ok).to(tl.int32), 0)
         start -= BLOCK_J
-        cols, col_ok, col_keys, col_norms = next_cols, next_ok, next_keys, next_norms
+        cols, col_keys, col_norms = next_cols, next_keys, next_norms
     tl.store(INDEX + n * stride_out_n + rows, tl.where(found < 0, slots - 1, found).to(tl.int64), mask=row_ok)
     tl.store(SIMILARITY + n * stride_out_n + rows, value, mask=row_ok)
 
@@ -97,7 +110,7 @@ def newest_duplicates(keys: torch.Tensor, inverse_norms: torch.Tensor, threshold
                       block_rows: int = 128, block_cols: int = 64, num_warps: int = 4
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each key i of `keys` `[..., S, D]`: the newest (largest) slot j != i with
-    S_ij = (k_i . k_j) * r_i * r_j > threshold, and that S_ij; slot S - 1 and 0 where there is none.
+    S_ij = ((k_i . k_j) * r_j) * r_i > threshold, and that S_ij; slot S - 1 and 0 where there is none.
 
     `inverse_norms` `[..., S]` float32 holds r (0 on a slot not held, so that it adds nothing).
     Returns (slot `[..., S]` int64, similarity `[..., S]` float32), as `baselines.rkv`'s PyTorch path.
