@@ -1,0 +1,70 @@
+"""The compiled decode step under other Inductor options than the engine's: does autotuning the GEMMs pay?
+
+    python -m evals.bench.compile_options --batch 1 --methods vanilla \
+        '{"coordinate_descent_tuning": true}' '{"max_autotune": true, "coordinate_descent_tuning": true}' \
+        '{"max_autotune": true}'
+
+`engine.compile_tuning` chooses between two option sets (`longflow.compile`); this benchmark times
+the step with any `torch.compile` options given as JSON, one after another on one model (Qwen3-8B
+shapes, random weights, prompt 512, `--new` tokens, CUDA graphs): each set compiles afresh (Dynamo
+reset, the model's compiled forward dropped), and is timed twice, the second run after the first
+compiled. Options are not an engine setting, so the `torch.compile` that `longflow.compile` calls is
+wrapped while each engine is built. Needs a CUDA GPU and Hydra (the method configs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+
+import torch
+
+import longflow.compile
+
+
+@contextlib.contextmanager
+def inductor_options(options: dict):
+    """`torch.compile` as `longflow.compile` calls it, with `options` instead of its own."""
+    compile_ = torch.compile
+
+    def with_options(*args, **kwargs):
+        return compile_(*args, **{**kwargs, "options": options})
+
+    longflow.compile.torch.compile = with_options
+    try:
+        yield
+    finally:
+        longflow.compile.torch.compile = compile_
+
+
+def main() -> None:
+    from evals.bench.common import random_prompts
+    from evals.bench.decode import time_engine
+    from evals.configs import model_spec
+    from longflow.models import load_model
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("options", nargs="+", help="torch.compile options, one JSON object per setting")
+    parser.add_argument("--model", default="qwen3_8b")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--methods", default="vanilla")
+    parser.add_argument("--new", type=int, default=1024)
+    parser.add_argument("--budget", type=int, default=1024)
+    args = parser.parse_args()
+    model, _ = load_model(model_spec(args.model, weights="random"), torch.device("cuda"))
+    prompts = random_prompts(args.batch, 512, model.config.get_text_config().vocab_size)
+    for options in map(json.loads, args.options):
+        for method in args.methods.split(","):
+            torch._dynamo.reset()
+            model.longflow_compiled_decode = {}
+            with inductor_options(options):
+                first = time_engine(model, method, args.budget, prompts, args.new, True, "tuned")
+            again = time_engine(model, method, args.budget, prompts, args.new, True, "tuned")
+            print(json.dumps({"options": options, "method": method, "batch": args.batch,
+                              "step_ms_p50": round(first["step_ms_p50"], 3), "again": round(again["step_ms_p50"], 3),
+                              "compile_s": round(first["compile_s"], 1)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

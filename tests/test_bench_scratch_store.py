@@ -1,0 +1,37 @@
+"""The scratch-store study's stand-alone attention loop (`evals.bench.scratch_store`; on the CPU through
+Triton's interpreter): whatever it stores and however it loads K and V, its output is the softmax
+attention over the valid slots, written out in PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from evals.bench.scratch_store import pass_call
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def softmax_attention(q, k, v, valid):
+    """q `[B, Hq, D]`, k, v `[B, Hkv, S, D]`, valid `[B, S]` -> `[B, Hq, D]`, in float64."""
+    group = q.shape[1] // k.shape[1]
+    keys, values = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    logits = torch.einsum("bhd,bhsd->bhs", q.double(), keys) * q.shape[-1] ** -0.5
+    weights = torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bhs,bhsd->bhd", weights, values)
+
+
+@pytest.mark.parametrize("store", range(5))
+@pytest.mark.parametrize("tma", [False, True])
+def test_every_variant_computes_the_attention(store, tma):
+    """Two rows, 2 KV heads of 4 query heads each, 200 slots (a last tile cut short), about 10% masked."""
+    generator = torch.Generator().manual_seed(store)
+    q = torch.randn(2, 8, 128, generator=generator)
+    k, v = (torch.randn(2, 2, 200, 128, generator=generator) for _ in range(2))
+    valid = torch.rand(2, 200, generator=generator) > 0.1
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32  # the interpreter's dot is fp32-exact
+    inputs = [t.to(DEVICE, dtype) for t in (q, k, v)] + [valid.to(DEVICE)]
+    out = pass_call(*inputs, block_n=64, tma=tma, stages=2, warps=4, store=store)()
+    expected = softmax_attention(*(t.float().cpu() for t in inputs[:3]), valid)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double().cpu(), expected, atol=tolerance, rtol=tolerance)
