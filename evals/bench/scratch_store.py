@@ -11,6 +11,10 @@ ahead) whose only switch is what it writes per tile besides the output (`STORE`)
   2: the same with `evict_last` (the kernel's L2 hint);
   3: the same bytes in a `[B * Hkv, S, G]` layout (each slot's G logits contiguous);
   4: `[B * Hq, S]` in float16 (half the bytes);
+  5: as 1, each thread storing its own elements of the tensor-core result (inline PTX), with no
+     conversion to a coalescing layout through shared memory first (`tl.store` makes one, with a
+     barrier, in every iteration: longflow/kernels/NOTES.md). Compiled ahead of time for sm_90 with
+     Triton 3.9 (no conversion left in its TTGIR), not yet run on a GPU;
 and whether K and V come through tensor descriptors (TMA) instead of pointer loads. Each variant is
 timed in CUDA graphs over input sets that overflow L2 (`evals.bench.attention`'s timing), next to
 cuDNN SDPA and `flash_decode` in the same process. Needs a CUDA GPU.
@@ -27,8 +31,21 @@ from evals.bench.attention import cache_sets, copy_bandwidth, floor_bytes, graph
 
 LOG2E = 1.4426950408889634
 # (slots per tile, TMA loads, pipeline stages, warps, store mode): the kernel's own setting first.
+# The inline-PTX stores last: they have not yet run on a GPU (the module's docstring), and a failure
+# to compile them must not cost the other figures.
 VARIANTS = [(64, False, 4, 4, store) for store in range(5)] + [(64, True, 4, 4, 0), (64, True, 4, 4, 1),
-                                                                (128, False, 3, 4, 1), (128, False, 3, 4, 3)]
+                                                                (128, False, 3, 4, 1), (128, False, 3, 4, 3),
+                                                                (64, False, 4, 4, 5), (128, False, 3, 4, 5)]
+
+
+@triton.jit
+def _store_in_place(addresses, values, mask):
+    """`tl.store` of float32 `values` at `addresses` (pointers as int64) where `mask`, from whatever
+    layout `values` has: each thread stores its own elements (inline PTX, elementwise), where
+    `tl.store` would first convert a tensor-core result to a coalescing layout through shared memory."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.f32 [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,f,r", [addresses, values, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -73,6 +90,8 @@ def _pass_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, slots, qk_scale,
             tl.store(SCRATCH + (head * slots + cols[None, :]) * GROUP + offs_g[:, None], s, mask=t_mask)
         elif STORE == 4:
             tl.store(by_head, s.to(tl.float16), mask=t_mask)
+        elif STORE == 5:
+            _store_in_place(by_head.to(tl.int64), s, t_mask)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
@@ -86,7 +105,8 @@ def _pass_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, slots, qk_scale,
 
 def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, store: int):
     """The pass over q `[B, Hq, D]`, contiguous k, v `[B, Hkv, S, D]` and valid `[B, S]`, as a
-    zero-argument call returning out `[B, Hq, D]` (its scratch allocated once)."""
+    zero-argument call returning out `[B, Hq, D]`; its scratch, allocated once, is the call's
+    `scratch` attribute."""
     batch, q_heads, head_dim = q.shape
     _, kv_heads, slots, _ = k.shape
     out = torch.empty_like(q)
@@ -101,6 +121,7 @@ def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, 
             GROUP=q_heads // kv_heads, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_N=block_n, TMA=tma, STAGES=stages,
             STORE=store, num_warps=warps, num_stages=stages)
         return out
+    run.scratch = scratch
     return run
 
 
@@ -120,10 +141,15 @@ def main() -> None:
             print(f"batch {batch}, {slots} slots: floor {floor:.4f} ms, cuDNN {cudnn:.4f} ms, "
                   f"flash_decode {plain:.4f} ms ({plain / cudnn:.3f}x cuDNN)", flush=True)
             want = flash_decode(*sets[0], filled).float()
+            logits = {}  # the first set's scratch per (tile, store): what stores 1 and 5 wrote must agree
             for block_n, tma, stages, warps, store in VARIANTS:
                 calls = [pass_call(*s, block_n, tma, stages, warps, store) for s in sets]
                 ms = graph_ms(calls)
                 error = (calls[0]().float() - want).abs().max().item()
+                logits[block_n, store] = calls[0].scratch
+                if store == 5:
+                    written = logits[block_n, 1].isfinite()
+                    error = max(error, (logits[block_n, 5][written] - logits[block_n, 1][written]).abs().max().item())
                 print(f"  tile {block_n:>3}, TMA {tma!s:>5}, {stages} stages, {warps} warps, store {store}: "
                       f"{ms:.4f} ms, {ms / cudnn:.3f}x cuDNN, {ms / floor:.3f}x floor (max error {error:.1e})",
                       flush=True)
