@@ -1,7 +1,7 @@
 """The decode step's weight matmuls alone, at Qwen3-8B's shapes: separate or concatenated projections,
 cuBLAS or Inductor's autotuned GEMMs, at one and at 128 rows.
 
-    python -m evals.bench.weight_matmuls            # cuBLAS, then max-autotune (about 80 s of compiling)
+    python -m evals.bench.weight_matmuls            # cuBLAS, then max-autotune (about a minute of compiling)
     python -m evals.bench.weight_matmuls --eager    # cuBLAS only
 
 A step reads every weight once: 36 layers of q, k, v, o, gate, up and down projections and the LM
@@ -9,39 +9,19 @@ head, 15.1 GB in bf16, whose read at the copy rate (about 4.3 TB/s on an H200) i
 besides the KV cache. transformers' Qwen3 modules keep q/k/v and gate/up as separate linears, so a
 layer is seven GEMMs; concatenated, q|k|v and gate|up read the same bytes in two. Each setting runs
 all 36 layers (distinct weights, so nothing stays in L2) and the head in one CUDA graph; the median
-replay is printed with the weights' bytes over it. Needs a CUDA GPU.
+replay (`evals.bench.attention`'s timing) is printed with the weights' bytes over it. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from evals.bench.attention import graph_ms
+
 HIDDEN, KV, INTERMEDIATE, VOCAB, LAYERS = 4096, 1024, 12288, 151936, 36  # Qwen3-8B
-
-
-def graph_ms(step, replays: int = 20) -> float:
-    """Median milliseconds of `step` captured in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def separate(x, x_mlp, q, k, v, o, gate, up, down):
@@ -85,7 +65,7 @@ def main() -> None:
                 for w in weights:
                     layer(x, x_mlp, **w)
                 F.linear(x, head)
-            ms = graph_ms(step)
+            ms = graph_ms([step])
             print(f"{rows:>3} rows, {name}: {ms:.3f} ms, {total / ms / 1e9:.2f} TB/s", flush=True)
 
 
