@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from evals.bench.attention import HEAD_DIM, KV_HEADS, Q_HEADS, cache_sets, graph_ms, sdpa_call
+from evals.bench.attention import HEAD_DIM, KV_HEADS, Q_HEADS, cache_sets, graph_ms, method_calls
 
 
 def main() -> None:
-    from longflow.kernels import flash_decode
     from longflow.kernels.longflow_attention import SCORES, Epilogue, _l2_bytes, _multiprocessors, _run, default_config
 
     device = torch.device("cuda")
@@ -24,9 +23,8 @@ def main() -> None:
     for batch in (16, 64, 128):
         for slots in (1024, 3200, 8192):
             sets = cache_sets(batch, slots, device)
-            cudnn = graph_ms([sdpa_call(q, k, v, packed=True, backend="cudnn")[0] for q, k, v, _ in sets])
-            filled = torch.full((batch,), slots, dtype=torch.int32, device=device)
-            plain = graph_ms([lambda s=s, f=filled: flash_decode(*s, f) for s in sets])
+            cudnn = graph_ms([method_calls("sdpa_cudnn", *s)[0] for s in sets])
+            plain = graph_ms([method_calls("flash_decode", *s)[0] for s in sets])
             config = default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, _multiprocessors(device),
                                     _l2_bytes(device))
             parts = [f"batch {batch:>3}, {slots:>4} slots: cuDNN {cudnn:.4f} ms; x cuDNN: "

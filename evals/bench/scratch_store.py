@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from evals.bench.attention import cache_sets, copy_bandwidth, floor_bytes, graph_ms, sdpa_call
+from evals.bench.attention import cache_sets, copy_bandwidth, floor_bytes, graph_ms, method_calls
+from longflow.kernels.longflow_attention import LOG2E
 
-LOG2E = 1.4426950408889634
 # (slots per tile, TMA loads, pipeline stages, warps, store mode): the kernel's own setting first.
 # The inline-PTX stores last: they have not yet run on a GPU (the module's docstring), and a failure
 # to compile them must not cost the other figures.
@@ -126,8 +126,6 @@ def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, 
 
 
 def main() -> None:
-    from longflow.kernels import flash_decode
-
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s")
@@ -135,25 +133,25 @@ def main() -> None:
         for slots in (3200, 8192):
             sets = cache_sets(batch, slots, device)
             floor = floor_bytes(batch, slots) / bandwidth * 1e3
-            cudnn = graph_ms([sdpa_call(q, k, v, packed=True, backend="cudnn")[0] for q, k, v, _ in sets])
-            filled = torch.full((batch,), slots, dtype=torch.int32, device=device)
-            plain = graph_ms([lambda s=s, f=filled: flash_decode(*s, f) for s in sets])
+            cudnn = graph_ms([method_calls("sdpa_cudnn", *s)[0] for s in sets])
+            plain = graph_ms([method_calls("flash_decode", *s)[0] for s in sets])
             print(f"batch {batch}, {slots} slots: floor {floor:.4f} ms, cuDNN {cudnn:.4f} ms, "
                   f"flash_decode {plain:.4f} ms ({plain / cudnn:.3f}x cuDNN)", flush=True)
-            want = flash_decode(*sets[0], filled).float()
-            logits = {}  # the first set's scratch per (tile, store): what stores 1 and 5 wrote must agree
+            want = method_calls("flash_decode", *sets[0])[0]().float()
+            plain_scratch = {}  # tile -> the first set's scratch by `tl.store` (store 1), which store 5 must match
             for block_n, tma, stages, warps, store in VARIANTS:
                 calls = [pass_call(*s, block_n, tma, stages, warps, store) for s in sets]
                 ms = graph_ms(calls)
                 error = (calls[0]().float() - want).abs().max().item()
-                logits[block_n, store] = calls[0].scratch
-                if store == 5:
-                    written = logits[block_n, 1].isfinite()
-                    error = max(error, (logits[block_n, 5][written] - logits[block_n, 1][written]).abs().max().item())
+                if store == 1:
+                    plain_scratch[block_n] = calls[0].scratch
+                elif store == 5:
+                    written = plain_scratch[block_n].isfinite()
+                    error = max(error, (calls[0].scratch[written] - plain_scratch[block_n][written]).abs().max().item())
                 print(f"  tile {block_n:>3}, TMA {tma!s:>5}, {stages} stages, {warps} warps, store {store}: "
                       f"{ms:.4f} ms, {ms / cudnn:.3f}x cuDNN, {ms / floor:.3f}x floor (max error {error:.1e})",
                       flush=True)
-            del sets
+            del sets, plain_scratch
             torch.cuda.empty_cache()
 
 
