@@ -13,8 +13,8 @@ ahead) whose only switch is what it writes per tile besides the output (`STORE`)
   4: `[B * Hq, S]` in float16 (half the bytes);
   5: as 1, each thread storing its own elements of the tensor-core result (inline PTX), with no
      conversion to a coalescing layout through shared memory first (`tl.store` makes one, with a
-     barrier, in every iteration: longflow/kernels/NOTES.md). Compiled ahead of time for sm_90 with
-     Triton 3.9 (no conversion left in its TTGIR), not yet run on a GPU;
+     barrier, in every iteration: longflow/kernels/NOTES.md). On the H200 it is no faster than 1
+     (results/engine/scratch_store.txt): the conversion is not what the store costs;
 and whether K and V come through tensor descriptors (TMA) instead of pointer loads. Each variant is
 timed in CUDA graphs over input sets that overflow L2 (`evals.bench.attention`'s timing), next to
 cuDNN SDPA and `flash_decode` in the same process. Needs a CUDA GPU.
@@ -31,8 +31,6 @@ from evals.bench.attention import cache_sets, copy_bandwidth, floor_bytes, graph
 from longflow.kernels.longflow_attention import LOG2E
 
 # (slots per tile, TMA loads, pipeline stages, warps, store mode): the kernel's own setting first.
-# The inline-PTX stores last: they have not yet run on a GPU (the module's docstring), and a failure
-# to compile them must not cost the other figures.
 VARIANTS = [(64, False, 4, 4, store) for store in range(5)] + [(64, True, 4, 4, 0), (64, True, 4, 4, 1),
                                                                 (128, False, 3, 4, 1), (128, False, 3, 4, 3),
                                                                 (64, False, 4, 4, 5), (128, False, 3, 4, 5)]
