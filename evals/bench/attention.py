@@ -51,6 +51,7 @@ KERNELS = ("longflow_fused", "flash_decode")  # the project's kernels, each show
 FIGURE_POINT = (128, 3200)  # the paper's Figure 1: batch 128, 3200 slots
 ROTATION_BYTES = 192 * 2**20  # input sets per timing hold at least this much (H200 L2: 60 MB)
 REPLAYS = 30
+ROUNDS = 5  # turns of the methods' replays at one grid point (`interleaved_ms`)
 
 
 def median_ms(fn) -> float:
@@ -62,8 +63,8 @@ def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def graph_ms(calls, replays: int = REPLAYS) -> float:
-    """Median time of one call: `calls` (one per input set) captured in one CUDA graph and replayed."""
+def captured(calls) -> torch.cuda.CUDAGraph:
+    """`calls` (one per input set) captured in one CUDA graph, after a warm-up outside the capture."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and warm up outside the capture, as PyTorch advises
@@ -75,13 +76,36 @@ def graph_ms(calls, replays: int = REPLAYS) -> float:
         for call in calls:
             call()
     graph.replay()
+    return graph
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> list[float]:
+    """Milliseconds of each of `replays` replays of `graph`."""
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
     for start, end in events:
         start.record()
         graph.replay()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events) / len(calls)
+    return [start.elapsed_time(end) for start, end in events]
+
+
+def graph_ms(calls, replays: int = REPLAYS) -> float:
+    """Median time of one call: `calls` (one per input set) captured in one CUDA graph and replayed."""
+    return statistics.median(replay_ms(captured(calls), replays)) / len(calls)
+
+
+def interleaved_ms(methods: dict[str, list], rounds: int = ROUNDS, replays: int = REPLAYS) -> dict[str, float]:
+    """`graph_ms` of several methods (name -> calls, one per input set), their replays taken in turns:
+    `rounds` rounds of `replays // rounds` replays each. Timed one after the other, a method's time
+    depends on what ran before it (the same kernel measured 1.00x cuDNN right after it and 1.12x after
+    the eager reference, longflow/kernels/NOTES.md), and such drift would go into the ratios."""
+    graphs = {name: captured(calls) for name, calls in methods.items()}
+    samples = {name: [] for name in methods}
+    for _ in range(rounds):
+        for name, graph in graphs.items():
+            samples[name] += replay_ms(graph, max(1, replays // rounds))
+    return {name: statistics.median(samples[name]) / len(methods[name]) for name in methods}
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
@@ -184,12 +208,10 @@ def measure_point(batch: int, slots: int, methods, bandwidth: float, device: tor
     """One grid point: every method on the same caches."""
     sets = cache_sets(batch, slots, device)
     floor_ms = floor_bytes(batch, slots) / bandwidth * 1e3
-    times, backends = {}, {}
-    for method in methods:
-        calls = [method_calls(method, *inputs) for inputs in sets]
-        backends[method] = calls[0][1]
-        times[method] = graph_ms([call for call, _ in calls])
-        torch.cuda.empty_cache()
+    calls = {method: [method_calls(method, *inputs) for inputs in sets] for method in methods}
+    backends = {method: pairs[0][1] for method, pairs in calls.items()}
+    times = interleaved_ms({method: [call for call, _ in pairs] for method, pairs in calls.items()})
+    del calls
     # The ratio is to the fastest SDPA formulation and backend: the stricter comparison.
     sdpa_ms = min(ms for m, ms in times.items() if m.startswith("sdpa")) if "sdpa" in times else None
     return [
