@@ -37,15 +37,32 @@ SCORE_BYTES = 2 << 30  # temporaries of one `rkv_scores` call
 # On a GPU a Triton kernel searches without them (`longflow.kernels.newest_duplicates`).
 SIMILARITY_BLOCKS = 4
 PAIR_BYTES = 6  # temporaries per key pair of a block: the float32 similarity, its comparison, transposed
-KEY_BYTES = 24  # per key and dimension: the float32 copies of the keys alive at once (about six)
+KEY_BYTES = 24  # per key and dimension off the 16-bit GPU path: its float32 key copies alive at once (about six)
+# Per slot and KV head, on every path: the importance's float32 logits, one per (query head of the
+# group, window query); their maximum over the group and its scaled, masked and softmaxed copies,
+# about three per window query alive at once; and the `[B, Hkv, S]` float32 vectors (importance,
+# norms, column sums, scores...), about sixteen alive at once.
+LOGIT_BYTES = 4
+WINDOW_BYTES = 12
+SLOT_BYTES = 64
 
 
-def score_bytes(kv_heads: int, slots: int, head_dim: int, device: torch.device) -> int:
-    """Temporaries of `rkv_scores` per row (and layer): its key copies, and off the GPU its largest
-    block pair of similarities."""
+def reads_keys_as_stored(queries: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `rkv_scores` takes its 16-bit GPU path: 16-bit keys read as stored, with no float32
+    copy (their products are exact in the float32 accumulator)."""
+    return keys.is_cuda and keys.dtype in (torch.float16, torch.bfloat16) and queries.dtype == keys.dtype
+
+
+def score_bytes(kv_heads: int, slots: int, head_dim: int, group: int, window: int, as_stored: bool) -> int:
+    """Temporaries of `rkv_scores` per row (and layer): the importance's logits and their window
+    copies, the per-slot vectors and, off the 16-bit GPU path (`as_stored` False), the float32 key
+    copies and the CPU's largest block pair of similarities (an over-count for float32 keys on a
+    GPU, whose search needs no pairs: those are the small canary's)."""
+    per_slot = LOGIT_BYTES * group * window + WINDOW_BYTES * window + SLOT_BYTES
+    if as_stored:
+        return kv_heads * slots * per_slot
     block = -(-slots // SIMILARITY_BLOCKS)
-    pairs = 0 if device.type == "cuda" else block * block * PAIR_BYTES
-    return kv_heads * (pairs + slots * head_dim * KEY_BYTES)
+    return kv_heads * (block * block * PAIR_BYTES + slots * (head_dim * KEY_BYTES + per_slot))
 
 
 def blocked_newest_duplicates(unit: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +140,7 @@ def rkv_scores(
     # On the GPU, 16-bit keys are read as stored: their products are exact in the float32 accumulator,
     # so a float32 copy of them (the largest temporary, and a third of the traffic at Figure 3's
     # batch) buys nothing. Float32 keys (the canary) keep the float32 path.
-    half = keys.is_cuda and keys.dtype in (torch.float16, torch.bfloat16) and queries.dtype == keys.dtype
+    half = reads_keys_as_stored(queries, keys)
     stored_keys, keys = keys, (keys if half else keys.float())  # `keys`: float32 except on the 16-bit path
     inf = float("inf")
     index = torch.arange(slots, device=keys.device)
@@ -433,7 +450,9 @@ class RKVPolicy(RKV):
     def _chunked_scores(self, queries, query_valid, keys, held, scale) -> torch.Tensor:
         """`rkv_scores` over the leading dimension in chunks of at most `SCORE_BYTES` of temporaries."""
         kv_heads, slots = keys.shape[1], keys.shape[2]
-        step = max(1, SCORE_BYTES // score_bytes(kv_heads, slots, keys.shape[3], keys.device))
+        group, window = queries.shape[1] // kv_heads, queries.shape[2]
+        step = max(1, SCORE_BYTES // score_bytes(kv_heads, slots, keys.shape[3], group, window,
+                                                 reads_keys_as_stored(queries, keys)))
         return torch.cat([
             rkv_scores(
                 queries[i:i + step], query_valid[i:i + step], keys[i:i + step], held[i:i + step], scale,
@@ -452,7 +471,10 @@ class RKVPolicy(RKV):
         per layer would be mostly kernel launches."""
         spec = self.spec
         count = spec.batch if rows is None else len(rows)
-        per_item = score_bytes(spec.kv_heads, self.slots_held, spec.head_dim, spec.device)  # per (layer, row)
+        # The ring's queries and the cache's keys are both in the model's dtype.
+        as_stored = spec.device.type == "cuda" and spec.dtype in (torch.float16, torch.bfloat16)
+        per_item = score_bytes(spec.kv_heads, self.slots_held, spec.head_dim, spec.q_heads // spec.kv_heads,
+                               self.queries_held, as_stored)  # per (layer, row)
         group = max(1, SCORE_BYTES // (per_item * count))
 
         def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:  # one layer's own buffer is read in place

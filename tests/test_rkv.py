@@ -637,3 +637,33 @@ def test_lf_repo_budget_below_their_minimum_shrinks_the_protected_tail():
     assert RKVLfRepoPolicy(261).keep_scored == 1  # their smallest working cache_budget
     with pytest.raises(UserError, match="lf_margin"):
         RKVLfRepoPolicy(512, lf_margin=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_score_bytes_bounds_the_scores_temporaries(dtype):
+    """`score_bytes`, which sizes the compression's chunks, bounds the memory one `rkv_scores` call
+    takes beyond its inputs (Figure 3's shapes: Qwen3-8B heads, window 8, 1744 slots) and, on the
+    16-bit path the chunks are sized for, is within 2x of it (so the chunks are not needlessly small)."""
+    from baselines.rkv import reads_keys_as_stored, rkv_scores, score_bytes
+
+    batch, q_heads, kv_heads, window, slots, dim = 16, 32, 8, 8, 1744, 128
+    device = torch.device("cuda")
+    queries = torch.randn(batch, q_heads, window, dim, device=device, dtype=dtype)
+    keys = torch.randn(batch, kv_heads, slots, dim, device=device, dtype=dtype)
+    held = torch.ones(batch, kv_heads, slots, dtype=torch.bool, device=device)
+    query_valid = torch.ones(batch, window, dtype=torch.bool, device=device)
+    call = dict(protect=64, kernel=7, lam=0.1, threshold=0.5)
+    rkv_scores(queries, query_valid, keys, held, dim**-0.5, **call)  # compile and warm up the kernels
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    scores = rkv_scores(queries, query_valid, keys, held, dim**-0.5, **call)
+    torch.cuda.synchronize()
+    taken = torch.cuda.max_memory_allocated() - before - scores.numel() * scores.element_size()
+    as_stored = reads_keys_as_stored(queries, keys)
+    assert as_stored == (dtype == torch.bfloat16)
+    counted = batch * score_bytes(kv_heads, slots, dim, q_heads // kv_heads, window, as_stored)
+    assert taken <= counted, f"{taken / 2**20:.1f} MiB taken, {counted / 2**20:.1f} MiB counted"
+    if as_stored:
+        assert counted <= 2 * taken, f"{taken / 2**20:.1f} MiB taken, {counted / 2**20:.1f} MiB counted"
