@@ -1,4 +1,5 @@
-"""The decode step's model forward through `torch.compile`, the KV policy one opaque op per layer.
+"""The model's forward through `torch.compile`, the KV policy one opaque op per layer: the decode
+step's, and optionally the prompt's (prefill).
 
 Inside the engine's CUDA graph the eager forward still launches every elementwise op as its own
 kernel: RMSNorm's casts, square, mean, rsqrt and products, the rotary embedding's halves and
@@ -7,25 +8,36 @@ fuses them around the matmuls. What is compiled is a call of the transformers mo
 classes and extension points (`Cache`, `AttentionInterface`) stay as they are.
 
 The policy's part of a layer (the slot write of `PolicyCache.update`, the attention of `kv_policy`,
-the choice of the next slot) is Python over the policy's own buffers, which Dynamo must not trace:
-every buffer would become a graph input mutated in place, and the policy, new for each batch, would
-fail the guards at every batch. The compiled forward therefore gets a stand-in cache
-(`OpaqueCache`) whose `update` stores nothing and whose policy's `attend` is a custom op of that
-`CompiledDecode` (`longflow::policy_decode_<n>`, one per instance). The op runs the policy of the
-call in progress (`CompiledDecode.active`, set around each call) `store` then `attend`, eagerly:
-the order of the eager forward, where nothing reads the cache between the two. It declares no
-mutation, which is sound because the buffers it writes are read by no other op of the graph and the
-ops of successive layers are ordered by their data. The forward is then one graph with no break and
-its layers unrolled, the layer index a constant of each op call, so nothing recompiles per layer.
+the choice of the next slot; at prefill the prompt's attention and the choice of the prompt tokens
+kept) is Python over the policy's own buffers, which Dynamo must not trace: every buffer would
+become a graph input mutated in place, and the policy, new for each batch, would fail the guards at
+every batch. The compiled forward therefore gets a stand-in cache (`OpaqueCache`) whose `update`
+stores nothing and whose policy's `attend` is a custom op of that `CompiledForward`
+(`longflow::policy_attention_<n>`, one per instance). The op runs the policy of the call in progress
+(`CompiledForward.active`, set around each call) `store` then `attend`, eagerly: the order of the
+eager forward, where nothing reads the cache between the two (at prefill `store` keeps nothing and
+hands the prompt's keys and values on, as `OpaqueCache.update` does). It declares no mutation, which
+is sound because the buffers it writes are read by no other op of the graph and the ops of
+successive layers are ordered by their data. The forward is then one graph with no break and its
+layers unrolled, the layer index a constant of each op call, so nothing recompiles per layer.
 
-Only decode steps (one token per row) are compiled; prefill runs eagerly. The batch size is
-specialised at the first compilation and made dynamic at the first other one (Dynamo's automatic
-dynamic shapes; a batch of 1 keeps its own graph). Compilation happens at the first decode step of
-a batch, which the engine runs eagerly before capturing its graph; Inductor's default mode, since
-the engine owns the CUDA graph. With `tuning` (the engine's default at a batch of one), Inductor's
-coordinate-descent tuning: at M = 1 Inductor then lowers each matmul to a Triton reduction of its
-own, fused with the norm before it or the activation and residual after it (gpt-fast's setting);
-at larger batches the matmuls stay cuBLAS's and tuning measured nothing (docs/engine.md).
+Decode (`compiled_decode`): one token per row. The batch size is specialised at the first
+compilation and made dynamic at the first other one (Dynamo's automatic dynamic shapes; a batch of 1
+keeps its own graph). Compilation happens at the first decode step of a batch, which the engine runs
+eagerly before capturing its graph; Inductor's default mode, since the engine owns the CUDA graph.
+With `tuning` (the engine's default at a batch of one), Inductor's coordinate-descent tuning: at
+M = 1 Inductor then lowers each matmul to a Triton reduction of its own, fused with the norm before
+it or the activation and residual after it (gpt-fast's setting); at larger batches the matmuls stay
+cuBLAS's and tuning measured nothing (docs/engine.md).
+
+Prefill (`compiled_prefill`, `engine.compile_prefill`): the prompt forward of a batch or of an
+admission. Its rows and prompt length are dynamic from the first call (`maybe_mark_dynamic`), so
+that one graph serves every admission of two rows or more whatever the prompts' padded length, and a
+single row gets one more (Dynamo specialises sizes of 1). It cannot be a CUDA graph: the policies'
+prompt rules read the prompts' lengths on the host and choose the kept tokens with data-dependent
+shapes, inside the op. What compiling removes is the eager forward's per-op Python and its unfused
+elementwise kernels around the matmuls, about half an admission's device time and most of its host
+time at small admissions (docs/engine.md, "Where an admission's time goes").
 """
 
 from __future__ import annotations
@@ -46,26 +58,27 @@ from longflow.policy import KVPolicy
 
 logger = logging.getLogger(__name__)
 
-_instances = itertools.count()  # a fresh op name per `CompiledDecode`
+_instances = itertools.count()  # a fresh op name per `CompiledForward`
 
 
-def policy_decode_op(name: str, running: Callable[[], KVPolicy]):
-    """The custom op `longflow::<name>`: the decode step of `running()`'s policy for one layer,
-    query `[B, Hq, 1, D]`, key and value `[B, Hkv, 1, D]` after RoPE -> attention output `[B, 1, Hq, D]`."""
+def policy_attention_op(name: str, running: Callable[[], KVPolicy]):
+    """The custom op `longflow::<name>`: `running()`'s policy's part of one layer (its `store`, then
+    its `attend`), query `[B, Hq, Lq, D]`, key and value `[B, Hkv, Lq, D]` after RoPE -> attention
+    output `[B, Lq, Hq, D]`; Lq is 1 at decode, the prompt length at prefill."""
 
     @torch.library.custom_op(f"longflow::{name}", mutates_args=())
-    def policy_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
-                      scale: float) -> torch.Tensor:
+    def policy_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                         scale: float) -> torch.Tensor:
         policy = running()
         policy.store(layer, key, value)
         return policy.attend(layer, query, key, value, scale).contiguous()
 
-    @policy_decode.register_fake
+    @policy_attention.register_fake
     def _(query, key, value, layer, scale):
         batch, heads, length, head_dim = query.shape
         return query.new_empty(batch, length, heads, head_dim)
 
-    return policy_decode
+    return policy_attention
 
 
 class _OpaquePolicy:
@@ -99,29 +112,33 @@ class OpaqueCache(Cache):
         return 0
 
 
-class CompiledDecode:
-    """The model's decode forward, compiled; called with the model's own keyword arguments.
+class CompiledForward:
+    """The model's forward, compiled; called with the model's own keyword arguments.
 
-    `tuning`: Inductor's coordinate-descent tuning (`EngineConfig.compile_tuning`). `active`: the
-    policy of the call in progress, which its op runs (None between calls).
+    `tuning`: Inductor's coordinate-descent tuning (`EngineConfig.compile_tuning`). `prompt`: for
+    prompt forwards, whose rows and length are marked dynamic at every call (see the module's
+    docstring). `active`: the policy of the call in progress, which its op runs (None between calls).
     `compile_seconds`: wall time of the calls that compiled (tracing, Inductor, the first run's
     autotuning), summed; each compilation is also logged. After a compilation failure (a model
     Dynamo cannot trace whole) it warns once and calls the model eagerly from then on.
     """
 
-    def __init__(self, model: PreTrainedModel, backend: str = "inductor", tuning: bool = False):
+    def __init__(self, model: PreTrainedModel, backend: str = "inductor", tuning: bool = False,
+                 prompt: bool = False):
         self.model = model
         self.active: KVPolicy | None = None
         self.cache = OpaqueCache(model.config.get_text_config().num_hidden_layers,
-                                 policy_decode_op(f"policy_decode_{next(_instances)}", self.running))
+                                 policy_attention_op(f"policy_attention_{next(_instances)}", self.running))
         self.tuning = tuning
+        self.prompt = prompt
+        self.phase = "prefill" if prompt else "decode"
         options = {"coordinate_descent_tuning": True} if tuning else None
         # Dynamo keeps compiled graphs, and counts recompilations against `recompile_limit` (8), per
         # code object. Every instance shared `_forward`'s: the graphs of every model, batch size and
         # tuning in the process added up, and past the limit a fullgraph compile raises
         # FailOnRecompileLimitHit (three tiny models with and without tuning reached it). A copy of
         # the code per instance gives each its own count.
-        forward = types.FunctionType(CompiledDecode._forward.__code__.replace(), globals(), "_forward")
+        forward = types.FunctionType(CompiledForward._forward.__code__.replace(), globals(), "_forward")
         self.compiled = torch.compile(types.MethodType(forward, self), backend=backend, fullgraph=True,
                                       options=options)
         self.compile_seconds = 0.0
@@ -137,6 +154,10 @@ class CompiledDecode:
     def __call__(self, *, past_key_values, kv_cache, **kwargs) -> CausalLMOutputWithPast:
         if self.failed:
             return self.model(past_key_values=past_key_values, kv_cache=kv_cache, **kwargs)
+        if self.prompt:
+            for name in ("input_ids", "position_ids"):
+                torch._dynamo.maybe_mark_dynamic(kwargs[name], 0)
+                torch._dynamo.maybe_mark_dynamic(kwargs[name], 1)
         graphs = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
         self.active = kv_cache.policy
@@ -144,7 +165,8 @@ class CompiledDecode:
             logits, hidden_states = self.compiled(**kwargs)
         except (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit) as error:
             # Raised while compiling, before any op ran.
-            warnings.warn(f"torch.compile of the decode forward failed, decoding eagerly: {error}", stacklevel=2)
+            warnings.warn(f"torch.compile of the {self.phase} forward failed, running it eagerly: {error}",
+                          stacklevel=2)
             self.failed = True
             return self.model(past_key_values=past_key_values, kv_cache=kv_cache, **kwargs)
         finally:
@@ -152,15 +174,28 @@ class CompiledDecode:
         if counters["stats"]["unique_graphs"] != graphs:
             seconds = time.perf_counter() - start
             self.compile_seconds += seconds
-            logger.info("compiled the decode forward for a batch of %d in %.1f s", len(kwargs["input_ids"]), seconds)
+            rows, length = kwargs["input_ids"].shape
+            logger.info("compiled the %s forward for %d rows of %d tokens in %.1f s", self.phase, rows, length,
+                        seconds)
         return CausalLMOutputWithPast(logits=logits, hidden_states=hidden_states)
 
 
-def compiled_decode(model: PreTrainedModel, tuning: bool = False) -> CompiledDecode:
-    """The model's `CompiledDecode` for `tuning`, shared by every engine over it (kept on the
-    model, so that its compiled graphs live as long as the model)."""
-    if not isinstance(getattr(model, "longflow_compiled_decode", None), dict):
-        model.longflow_compiled_decode = {}
-    if tuning not in model.longflow_compiled_decode:
-        model.longflow_compiled_decode[tuning] = CompiledDecode(model, tuning=tuning)
-    return model.longflow_compiled_decode[tuning]
+def compiled_forward(model: PreTrainedModel, tuning: bool = False, prompt: bool = False) -> CompiledForward:
+    """The model's `CompiledForward` for `tuning` and `prompt`, shared by every engine over it (kept
+    on the model, so that its compiled graphs live as long as the model)."""
+    if not isinstance(getattr(model, "longflow_compiled_forwards", None), dict):
+        model.longflow_compiled_forwards = {}
+    key = (tuning, prompt)
+    if key not in model.longflow_compiled_forwards:
+        model.longflow_compiled_forwards[key] = CompiledForward(model, tuning=tuning, prompt=prompt)
+    return model.longflow_compiled_forwards[key]
+
+
+def compiled_decode(model: PreTrainedModel, tuning: bool = False) -> CompiledForward:
+    """The decode step's compiled forward (one token per row)."""
+    return compiled_forward(model, tuning=tuning)
+
+
+def compiled_prefill(model: PreTrainedModel) -> CompiledForward:
+    """The prompt forward, compiled with its rows and length dynamic."""
+    return compiled_forward(model, prompt=True)

@@ -104,12 +104,18 @@ class EngineConfig:
     setting). At a batch of one it also turns the matrix-vector products into Triton reductions
     fused with the ops around them, instead of cuBLAS calls; at larger batches the matmuls stay
     cuBLAS's. Compiling takes about 30 s longer. None (default): on when `batch_size` is 1.
+    `compile_prefill`: the prompt forwards (a static batch's prefill, continuous batching's
+    admissions) through `torch.compile` too, on a GPU only, one graph for every prompt length and
+    number of rows above one (`longflow.compile`). Off by default until its gain is measured on a
+    GPU: it removes the eager forward's per-op launches and unfused elementwise kernels, against a
+    compilation at the run's start.
     """
 
     batch_size: int = 64  # rows decoding together
     cuda_graph: bool = True
     compile: bool = True
     compile_tuning: bool | None = None
+    compile_prefill: bool = False
     check_every: int = 16  # decode steps between host checks for finished rows
     continuous: bool = True
     prefill_rows: int = 16  # most prompts prefilled together when finished rows are refilled

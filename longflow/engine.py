@@ -31,7 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from longflow.cache import PolicyCache
-from longflow.compile import compiled_decode
+from longflow.compile import compiled_decode, compiled_prefill
 from longflow.config import EngineConfig, GenerationConfig, VerifyConfig
 from longflow.policy import ALIGN, CacheSpec, KVPolicy, round_up
 from longflow.sampling import select_tokens
@@ -148,11 +148,16 @@ class Engine:
         # Seconds spent capturing step graphs (`stepper`), summed over batches, queues and
         # verification's graphs: a one-time cost of each, outside every step time.
         self.capture_seconds = 0.0
-        # The decode steps' forward, compiled (`longflow.compile`); None: the model's own, eagerly.
+        # The decode steps' and the prompts' forwards, compiled (`longflow.compile`); None: the
+        # model's own, eagerly.
         self.decode_forward = None
-        if self.config.compile and self.device.type == "cuda":
-            tuning = self.config.compile_tuning
-            self.decode_forward = compiled_decode(model, self.config.batch_size == 1 if tuning is None else tuning)
+        self.prefill_forward = None
+        if self.device.type == "cuda":
+            if self.config.compile:
+                tuning = self.config.compile_tuning
+                self.decode_forward = compiled_decode(model, self.config.batch_size == 1 if tuning is None else tuning)
+            if self.config.compile_prefill:
+                self.prefill_forward = compiled_prefill(model)
 
     # ---- the steps ---------------------------------------------------------------------------
 
@@ -166,7 +171,7 @@ class Engine:
         policy = cache.policy
         observes = policy.observes
         every_position = policy.prefilling and "prompt_logits" in observes
-        model = self.model if policy.prefilling or self.decode_forward is None else self.decode_forward
+        model = (self.prefill_forward if policy.prefilling else self.decode_forward) or self.model
         output = model(
             input_ids=input_ids,
             position_ids=positions,
@@ -246,16 +251,23 @@ class Engine:
 
     # ---- a static batch ----------------------------------------------------------------------
 
+    @torch.inference_mode()
     def warm_up(self, rows: int | None = None) -> None:
         """One tiny batch of `rows` rows (default `batch_size`), so that one-time costs (kernel loading,
         library handles, Triton and `torch.compile` compilation for that batch size, graph pools) stay
-        out of the first timed batch of that size. Once per size: a second call for it does nothing."""
+        out of the first timed batch of that size. Once per size: a second call for it does nothing.
+        With the prompt forward compiled, one row's prefill too: its graph is the one that admissions
+        of a single row run."""
         rows = rows or self.config.batch_size
         if rows in self.warmed_sizes:
             return
         self.warmed_sizes.add(rows)
-        self.generate([[self.pad_id] * ALIGN] * rows, GenerationConfig(max_new_tokens=4, ignore_eos=True),
-                      list(range(rows)))
+        generation = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+        self.generate([[self.pad_id] * ALIGN] * rows, generation, list(range(rows)))
+        if self.prefill_forward is not None and rows > 1:
+            # Admissions of a single row run the compiled prompt forward's graph for one row.
+            cache, state = self.stage([0], [generation.max_new_tokens], ALIGN, generation, track_seen=False)
+            self.prefill(cache, state, *self.batch_inputs([[self.pad_id] * ALIGN]), generation)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], generation: GenerationConfig, seeds: list[int],

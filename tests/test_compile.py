@@ -1,7 +1,8 @@
-"""The compiled decode forward (`longflow.compile`) on the CPU, through Dynamo and AOTAutograd without
-Inductor (`aot_eager`, seconds instead of minutes of C++ compilation): one graph per batch size, no
-break and no recompile per layer or per step, the eager engine's tokens, two policies in lockstep.
-The GPU tests compile with Inductor (tests/test_gpu.py)."""
+"""The compiled forwards (`longflow.compile`) on the CPU, through Dynamo and AOTAutograd without
+Inductor (`aot_eager`, seconds instead of minutes of C++ compilation). Decode: one graph per batch
+size, no break and no recompile per layer or per step, the eager engine's tokens, two policies in
+lockstep. Prefill: one graph for every prompt length and number of rows above one, the eager
+engine's tokens for the methods' prompt rules. The GPU tests compile with Inductor (tests/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from helpers import LONG_TEXTS, policy_of, tiny_model
 from torch._dynamo.utils import counters
 
-from longflow.compile import CompiledDecode
+from longflow.compile import CompiledForward
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine
 from longflow.fidelity import teacher_force
@@ -18,10 +19,13 @@ from longflow.fidelity import teacher_force
 TEXTS = ["What is 2 + 3?", "hi", *LONG_TEXTS]
 
 
-def engine_of(tiny, method, budget, compiled=None, config=None):
+def engine_of(tiny, method, budget, compiled=None, config=None, prefill=None):
+    """An engine whose decode steps run `compiled` and whose prompt forwards run `prefill` (None:
+    the model eagerly), whatever the device."""
     model, tokenizer = tiny
     engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id, config)
     engine.decode_forward = compiled
+    engine.prefill_forward = prefill
     return engine
 
 
@@ -36,7 +40,7 @@ def test_compiled_decoding_gives_the_eager_tokens(tiny, method, budget):
     model, tokenizer = tiny
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
     generation = GenerationConfig(max_new_tokens=30, ignore_eos=True)
-    compiled = CompiledDecode(model, backend="aot_eager")
+    compiled = CompiledForward(model, backend="aot_eager")
     expected = engine_of(tiny, method, budget).generate(prompts, generation, [0, 1, 2, 3])
     before = graphs()
     result = engine_of(tiny, method, budget, compiled).generate(prompts, generation, [0, 1, 2, 3])
@@ -49,7 +53,7 @@ def test_batch_sizes_compile_twice_at_most(tiny):
     """The first size is specialised, the second makes the batch dynamic, later sizes reuse that graph."""
     torch._dynamo.reset()
     model, tokenizer = tiny
-    compiled = CompiledDecode(model, backend="aot_eager")
+    compiled = CompiledForward(model, backend="aot_eager")
     generation = GenerationConfig(max_new_tokens=6, ignore_eos=True)
     before = graphs()
     for size in (4, 2, 3, 2):
@@ -70,7 +74,7 @@ def test_teacher_forcing_runs_two_policies_through_one_compiled_forward(tiny):
         return teacher_force(engine_of(tiny, "longflow", 12, compiled), prompts, generation,
                              lambda: policy_of("vanilla", None))
 
-    eager, compiled = run(None), run(CompiledDecode(model, backend="aot_eager"))
+    eager, compiled = run(None), run(CompiledForward(model, backend="aot_eager"))
     assert compiled.tokens == eager.tokens
     assert compiled.agreement == eager.agreement
     torch.testing.assert_close(torch.tensor(compiled.kl), torch.tensor(eager.kl), rtol=1e-4, atol=1e-6)
@@ -78,8 +82,81 @@ def test_teacher_forcing_runs_two_policies_through_one_compiled_forward(tiny):
 
 def test_the_engine_compiles_on_a_gpu_only(tiny):
     model, tokenizer = tiny
-    engine = Engine(model, lambda: policy_of("vanilla", None), [], tokenizer.pad_token_id, EngineConfig(compile=True))
-    assert engine.decode_forward is None
+    engine = Engine(model, lambda: policy_of("vanilla", None), [], tokenizer.pad_token_id,
+                    EngineConfig(compile=True, compile_prefill=True))
+    assert engine.decode_forward is None and engine.prefill_forward is None
+
+
+# Prompt rules of different shapes: every token kept (vanilla), the top prompt tokens by the step's
+# score (LongFlow below every prompt), an observation window (R-KV), per-head capacities
+# (CompressKV), and an observer of every prompt position's logits and every layer's hidden states
+# (InfoKV), which makes the compiled forward return them.
+PROMPT_RULES = [("vanilla", None), ("longflow", 12), ("rkv", 16), ("compresskv", 16), ("infokv", 16)]
+
+
+@pytest.mark.parametrize("method,budget", PROMPT_RULES)
+def test_compiled_prefill_gives_the_eager_tokens(tiny, method, budget):
+    torch._dynamo.reset()
+    model, tokenizer = tiny
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    generation = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    expected = engine_of(tiny, method, budget).generate(prompts, generation, [0, 1, 2, 3])
+    prefill = CompiledForward(model, backend="aot_eager", prompt=True)
+    before = graphs()
+    result = engine_of(tiny, method, budget, prefill=prefill).generate(prompts, generation, [0, 1, 2, 3])
+    assert result.tokens == expected.tokens
+    assert graphs() == before + 1 and not prefill.failed and prefill.compile_seconds > 0
+
+
+def test_one_prompt_graph_serves_every_length_and_row_count(tiny):
+    """Rows and prompt length are dynamic from the first call: batches of 4, 2 and 3 rows whose
+    prompts pad to different lengths share one graph; a single row gets its own."""
+    torch._dynamo.reset()
+    model, tokenizer = tiny
+    prefill = CompiledForward(model, backend="aot_eager", prompt=True)
+    generation = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    before, lengths = graphs(), set()
+    for size, repeats in ((4, 1), (2, 6), (3, 12), (1, 1)):
+        prompts = [tokenizer(t * repeats)["input_ids"] for t in TEXTS[:size]]
+        engine = engine_of(tiny, "longflow", 12, prefill=prefill)
+        lengths.add(engine.batch_inputs(prompts)[0].shape[1])
+        expected = engine_of(tiny, "longflow", 12).generate(prompts, generation, list(range(size)))
+        assert engine.generate(prompts, generation, list(range(size))).tokens == expected.tokens
+    assert len(lengths) == 4  # the padded lengths differ
+    assert graphs() == before + 2
+
+
+def test_warming_up_compiles_the_single_row_prompt_graph_too(tiny):
+    """After `warm_up`, an admission of one row, as continuous batching makes at a queue's end,
+    compiles nothing."""
+    torch._dynamo.reset()
+    model, tokenizer = tiny
+    prefill = CompiledForward(model, backend="aot_eager", prompt=True)
+    engine = engine_of(tiny, "longflow", 12, config=EngineConfig(batch_size=3), prefill=prefill)
+    before = graphs()
+    engine.warm_up()
+    assert graphs() == before + 2
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS[:1]]
+    engine.generate(prompts, GenerationConfig(max_new_tokens=4, ignore_eos=True), [0])
+    assert graphs() == before + 2
+
+
+def test_continuous_batching_through_the_compiled_prefill_and_decode(tiny):
+    """Admissions of one and two rows, every prompt forward and step compiled: the eager tokens."""
+    torch._dynamo.reset()
+    model, tokenizer = tiny
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    generation = GenerationConfig(max_new_tokens=24)
+
+    def served(compiled, prefill):
+        engine = engine_of(tiny, "rkv", 16, compiled, EngineConfig(batch_size=2, prefill_rows=2, check_every=4,
+                                                                   refill_rows=1), prefill)
+        rounds = engine.serve(prompts, generation, [0, 1, 2, 3], limits=[24, 7, 15, 20])
+        return {item.index: item.tokens for round_ in rounds for item in round_.finished}
+
+    compiled = (CompiledForward(model, backend="aot_eager"), CompiledForward(model, backend="aot_eager", prompt=True))
+    assert served(*compiled) == served(None, None)
+    assert not any(forward.failed for forward in compiled)
 
 
 def test_continuous_batching_through_the_compiled_forward(tiny):
@@ -95,7 +172,7 @@ def test_continuous_batching_through_the_compiled_forward(tiny):
         return {item.index: item.tokens for round_ in rounds for item in round_.finished}
 
     before = graphs()
-    assert served(CompiledDecode(model, backend="aot_eager")) == served(None)
+    assert served(CompiledForward(model, backend="aot_eager")) == served(None)
     assert graphs() == before + 1
 
 
@@ -109,7 +186,7 @@ def test_each_compiled_forward_has_its_own_recompile_count():
     for family in ("llama", "qwen3"):
         tiny = tiny_model(family)
         model, tokenizer = tiny
-        compiled = CompiledDecode(model, backend="aot_eager")
+        compiled = CompiledForward(model, backend="aot_eager")
         for size in (3, 2):
             prompts = [tokenizer(t)["input_ids"] for t in TEXTS[:size]]
             expected = engine_of(tiny, "longflow", 12).generate(prompts, generation, list(range(size)))

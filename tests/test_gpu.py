@@ -220,6 +220,34 @@ def test_compiled_decoding_gives_the_uncompiled_tokens(tiny_cuda, method, budget
     assert result.tokens == eager.tokens
 
 
+@pytest.mark.parametrize("method,budget", [("vanilla", None), ("longflow", 48), ("rkv", 64)])
+def test_compiled_prefill_gives_the_uncompiled_tokens(tiny_cuda, method, budget):
+    """Inductor's prompt forward (`engine.compile_prefill`, rows and length dynamic) against the eager
+    one: prompts of three lengths, statically batched and served continuously with admissions of one
+    and two rows; the tokens identical, and warming up built every prompt graph the runs used."""
+    model, tokenizer = tiny_cuda
+    prompts = [tokenizer(t * repeats)["input_ids"] for t, repeats in zip(TEXTS, (4, 7, 2), strict=False)]
+    generation = GenerationConfig(max_new_tokens=120, ignore_eos=True)
+
+    def run(compile_prefill):
+        config = EngineConfig(batch_size=2, prefill_rows=2, refill_rows=1, check_every=8,
+                              compile_prefill=compile_prefill)
+        engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id, config)
+        engine.warm_up()
+        compiled = engine.prefill_forward
+        seconds = None if compiled is None else compiled.compile_seconds
+        static = engine.generate(prompts, generation, [0, 1, 2]).tokens
+        rounds = engine.serve(prompts, generation, [0, 1, 2], limits=[120, 40, 80])
+        served = {item.index: item.tokens for round_ in rounds for item in round_.finished}
+        return compiled, seconds, static, served
+
+    compiled, warmed, *tokens = run(True)
+    _, _, *eager = run(False)
+    assert compiled is not None and not compiled.failed and warmed > 0
+    assert compiled.compile_seconds == warmed  # nothing compiled after the warm-up
+    assert tokens == eager
+
+
 # The step methods whose score the fused kernel computes (`KVPolicy.fused_score`), every variant.
 FUSED_SCORES = [("h2o", {"variant": "paper"}), ("h2o", {"variant": "lf_repo"}), ("vatp", {"variant": "paper"}),
                 ("vatp", {"variant": "lf_repo"}), ("tova", {}), ("longflow", {"granularity": "kv_head"})]

@@ -57,7 +57,7 @@ def main() -> None:
     for options in map(json.loads, args.options):
         for method in args.methods.split(","):
             torch._dynamo.reset()
-            model.longflow_compiled_decode = {}
+            model.longflow_compiled_forwards = {}
             with inductor_options(options):
                 first = time_engine(model, method, args.budget, prompts, args.new, True, "tuned")
             again = time_engine(model, method, args.budget, prompts, args.new, True, "tuned")

@@ -19,11 +19,13 @@ comes from two processes).
 Printed and written to `--out` (CSV): wall time, items per hour and useful tokens/s (the drawn
 lengths, not the padding steps) of each, and the ratio; and where the time went: decode steps
 (with the count the engine's rules predict, `predicted_steps`), ms per step, prefill seconds and
-the rest (graph captures, host checks). `--predict` prints the predicted step counts alone, and the
-number of admissions (prefills of refilled rows) continuous batching makes, with no model; with
-`--refill-rows 1,2,4,8` for each value, the trade-off of refilling sooner (fewer idle row-steps)
-against prefilling fewer rows at a time (more admissions, each with a fixed cost). Configs are
-composed by Hydra (`evals.configs`): install hydra-core where the GPU image lacks it.
+the rest (graph captures, host checks). `--compile-prefill` compiles the prompt forwards
+(`engine.compile_prefill`), for the admissions' share. `--predict` prints the predicted step
+counts alone, and the number of admissions (prefills of refilled rows) continuous batching makes,
+with no model; with `--refill-rows 1,2,4,8` for each value, the trade-off of refilling sooner
+(fewer idle row-steps) against prefilling fewer rows at a time (more admissions, each with a fixed
+cost). Configs are composed by Hydra (`evals.configs`): install hydra-core where the GPU image
+lacks it.
 """
 
 from __future__ import annotations
@@ -142,9 +144,10 @@ MODES = ("static", "continuous")
 
 
 def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, cap: int,
-                 refill_rows: int = EngineConfig.refill_rows, modes: tuple[str, ...] = MODES) -> list[dict]:
+                 refill_rows: int = EngineConfig.refill_rows, modes: tuple[str, ...] = MODES,
+                 compile_prefill: bool = False) -> list[dict]:
     policy = method_policy(method, budget)
-    engine = bench_engine(model, policy, batch_size=batch, refill_rows=refill_rows)
+    engine = bench_engine(model, policy, batch_size=batch, refill_rows=refill_rows, compile_prefill=compile_prefill)
     config = engine.config
     generation = GenerationConfig(max_new_tokens=cap, ignore_eos=True)
     engine.warm_up()
@@ -189,6 +192,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--modes", default=",".join(MODES),
                         help="static, continuous or both (default): one mode alone fits a scale whose two "
                              "runs would outlast one sitting")
+    parser.add_argument("--compile-prefill", action="store_true",
+                        help="engine.compile_prefill: the prompt forwards through torch.compile (GPU only)")
     parser.add_argument("--predict", action="store_true",
                         help="only print the decode steps each mode takes by the engine's rules, and the "
                              "admissions of continuous batching (no model)")
@@ -222,13 +227,15 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
     rows = []
     for method in args.methods.split(","):
-        rows += bench_method(model, method, args.budget, prompts, lengths, args.batch, args.cap, refills[0], modes)
+        rows += bench_method(model, method, args.budget, prompts, lengths, args.batch, args.cap, refills[0], modes,
+                             args.compile_prefill)
     table = pd.DataFrame(rows)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     heading = (f"{args.model} (random weights), {args.items} items, batch {args.batch}, prompt {args.prompt}, "
                f"output lengths log-normal (median {args.median}, {args.at_cap:.0%} at the cap {args.cap}), on {gpu}")
     write_table(table, args.out, heading, dict(
-        model=args.model, items=args.items, batch=args.batch, refill_rows=refills[0], prompt=args.prompt,
+        model=args.model, items=args.items, batch=args.batch, refill_rows=refills[0],
+        compile_prefill=args.compile_prefill, prompt=args.prompt,
         median=args.median, cap=args.cap, at_cap=args.at_cap, mean_length=float(np.mean(lengths)), device=gpu),
         decimals=2)
     return table
