@@ -12,7 +12,7 @@ from helpers import LONG_TEXTS, policy_of, tiny_model
 from torch._dynamo.utils import counters
 
 from longflow.compile import CompiledForward
-from longflow.config import EngineConfig, GenerationConfig
+from longflow.config import EngineConfig, GenerationConfig, VerifyConfig
 from longflow.engine import Engine
 from longflow.fidelity import teacher_force
 
@@ -193,3 +193,24 @@ def test_each_compiled_forward_has_its_own_recompile_count():
             result = engine_of(tiny, "longflow", 12, compiled).generate(prompts, generation, list(range(size)))
             assert result.tokens == expected.tokens
         assert not compiled.failed
+
+
+def test_verification_prefills_its_full_cache_through_the_compiled_prefill(tiny):
+    """VeriCache prefills the drafting policy and the full cache beside it, each through the op."""
+    torch._dynamo.reset()
+    model, tokenizer = tiny
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+    generation = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+
+    def run(prefill):
+        engine = Engine(model, lambda: policy_of("longflow", 12), [], tokenizer.pad_token_id,
+                        EngineConfig(batch_size=2, prefill_rows=2, refill_rows=1, check_every=4),
+                        VerifyConfig(name="vericache", horizon=4))
+        engine.prefill_forward = prefill
+        static = engine.generate(prompts, generation, [0, 1, 2, 3]).tokens
+        rounds = engine.serve(prompts, generation, [0, 1, 2, 3], limits=[20, 7, 15, 12])
+        return static, {item.index: item.tokens for round_ in rounds for item in round_.finished}
+
+    prefill = CompiledForward(model, backend="aot_eager", prompt=True)
+    assert run(prefill) == run(None)
+    assert not prefill.failed and prefill.compile_seconds > 0
