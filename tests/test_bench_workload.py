@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from evals.bench.workload import continuous_schedule, main, normal_quantile, output_lengths, predicted_steps
@@ -56,3 +57,13 @@ def test_one_mode_alone(tmp_path):
                   "--refill-rows", "2", "--out", str(tmp_path / "workload.csv")])
     assert list(table["mode"]) == ["continuous"] and "speedup" not in table
     assert (table["decode_steps"] == table["predicted_steps"]).all()
+
+
+def test_modes_run_in_the_order_given_and_the_speedup_is_continuous_over_static(tmp_path):
+    table = main(["--model", "tiny_qwen3", "--methods", "longflow", "--budget", "24", "--batch", "2", "--items", "6",
+                  "--prompt", "16", "--median", "6", "--cap", "16", "--device", "cpu", "--modes", "continuous,static",
+                  "--out", str(tmp_path / "workload.csv")])
+    assert list(table["mode"]) == ["continuous", "static"]
+    continuous, static = table.iloc[0], table.iloc[1]
+    assert continuous["speedup"] == pytest.approx(continuous["items_per_hour"] / static["items_per_hour"])
+    assert pd.isna(static["speedup"])
