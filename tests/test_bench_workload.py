@@ -9,7 +9,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from evals.bench.workload import continuous_schedule, main, normal_quantile, output_lengths, predicted_steps
+from evals.bench.workload import (
+    batch_range,
+    continuous_schedule,
+    main,
+    normal_quantile,
+    output_lengths,
+    predicted_steps,
+)
 
 
 def test_normal_quantile_inverts_the_cdf():
@@ -67,3 +74,49 @@ def test_modes_run_in_the_order_given_and_the_speedup_is_continuous_over_static(
     continuous, static = table.iloc[0], table.iloc[1]
     assert continuous["speedup"] == pytest.approx(continuous["items_per_hour"] / static["items_per_hour"])
     assert pd.isna(static["speedup"])
+
+
+RUN = ["--model", "tiny_qwen3", "--methods", "longflow,vanilla", "--budget", "24", "--batch", "3", "--items", "10",
+       "--prompt", "16", "--median", "6", "--cap", "24", "--device", "cpu"]
+
+
+def test_batch_ranges():
+    assert batch_range(":", 4) == range(4) and batch_range("1:", 4) == range(1, 4) and batch_range(":2", 4) == range(2)
+    for value in ("2", "3:1", "5:"):
+        with pytest.raises(ValueError):
+            batch_range(value, 4)
+
+
+def test_a_static_run_in_parts_combines_into_the_whole_runs_counts(tmp_path):
+    """Static batches 0-1 and 2-3 in two processes' tables and continuous in a third: the combined
+    table holds the steps, tokens and items of the run in one piece, and the speedup from them."""
+    whole = main([*RUN, "--out", str(tmp_path / "whole.csv")])
+    parts = [tmp_path / name for name in ("static_a.csv", "static_b.csv", "continuous.csv")]
+    main([*RUN, "--modes", "static", "--static-batches", ":2", "--out", str(parts[0])])
+    first = pd.read_csv(parts[0])
+    assert list(first["items_timed"]) == [6, 6] and list(first["static_batches"]) == ["0:2", "0:2"]
+    main([*RUN, "--modes", "static", "--static-batches", "2:", "--out", str(parts[1])])
+    main([*RUN, "--modes", "continuous", "--out", str(parts[2])])
+    combined = main(["--combine", *map(str, parts), "--out", str(tmp_path / "combined.csv")])
+    counts = ["mode", "items_timed", "useful_tokens", "decode_steps", "predicted_steps"]
+    assert combined[counts].to_dict("records") == whole[counts].to_dict("records")
+    assert (combined["decode_steps"] == combined["predicted_steps"]).all()
+    for method, rows in combined.groupby("method"):  # vanilla has no budget: NaN in the tables
+        continuous, static = rows.set_index("mode").loc["continuous"], rows.set_index("mode").loc["static"]
+        assert continuous["speedup"] == pytest.approx(continuous["items_per_hour"] / static["items_per_hour"])
+        assert static["seconds"] == pytest.approx(sum(
+            pd.read_csv(p).set_index("method").loc[method, "seconds"] for p in parts[:2]))
+
+
+def test_combining_refuses_parts_that_do_not_make_one_run(tmp_path):
+    a, b, other = tmp_path / "a.csv", tmp_path / "b.csv", tmp_path / "other.csv"
+    main([*RUN, "--modes", "static", "--static-batches", ":3", "--out", str(a)])
+    main([*RUN, "--modes", "static", "--static-batches", "2:", "--out", str(b)])
+    with pytest.raises(ValueError, match="cover"):  # batch 2 twice
+        main(["--combine", str(a), str(b), "--out", str(tmp_path / "c.csv")])
+    with pytest.raises(ValueError, match="cover"):  # batch 3 missing
+        main(["--combine", str(a), "--out", str(tmp_path / "c.csv")])
+    main([*RUN[:-4], "--cap", "20", "--device", "cpu", "--modes", "static", "--static-batches", "3:",
+          "--out", str(other)])
+    with pytest.raises(ValueError, match="settings"):
+        main(["--combine", str(a), str(other), "--out", str(tmp_path / "c.csv")])

@@ -3,6 +3,7 @@ against continuous batching.
 
     python -m evals.bench.workload --model qwen3_8b --methods longflow,vanilla --budget 1024 --batch 64 --items 512
     python -m evals.bench.workload --model tiny_qwen3 --items 8 --batch 2 --median 8 --cap 16 --prompt 16
+    python -m evals.bench.workload --combine static_a.csv static_b.csv continuous.csv --out results/bench_workload.csv
 
 Reasoning outputs run from a few hundred tokens to the generation cap. Each item's output length
 is drawn from a log-normal distribution (median `--median`, spread set so that a share `--at-cap`
@@ -14,7 +15,10 @@ model is built from `conf/model/<name>.yaml` with random weights and fed random 
 - continuous: `--batch` rows refilled as they finish (`Engine.serve`).
 
 `--modes` runs one of them alone, for a scale whose two runs outlast one sitting (the ratio then
-comes from two processes).
+comes from two processes), and `--static-batches START:STOP` a range of the static run's batches,
+for a static run that alone outlasts one; `--combine` adds the parts' tables up into the setting's
+table (each mode's seconds, steps and tokens summed, the rates and the speedup recomputed), and
+refuses parts of different settings or static ranges that miss or repeat a batch.
 
 Printed and written to `--out` (CSV): wall time, items per hour and useful tokens/s (the drawn
 lengths, not the padding steps) of each, and the ratio; and where the time went: decode steps
@@ -79,8 +83,8 @@ def timed(run, device: torch.device):
 
 
 def run_static(engine: Engine, prompts, lengths, generation, batch: int) -> tuple[list[int], int, float, float]:
-    """Static batches in queue order; returns (the tokens each item generated, decode steps, prefill
-    seconds, decode-step seconds)."""
+    """Static batches of `batch` items in the order of `prompts`; returns (the tokens each item
+    generated, decode steps, prefill seconds, decode-step seconds)."""
     tokens, steps, prefill, decode = [], 0, 0.0, 0.0
     for start in range(0, len(prompts), batch):
         rows = range(start, min(start + batch, len(prompts)))
@@ -141,37 +145,104 @@ def continuous_schedule(lengths: list[int], rows: int, check_every: int, refill_
 
 
 MODES = ("static", "continuous")
+# The columns of a run's setting, which its parts must share (`combine`).
+SETTING = ("model", "items", "batch", "refill_rows", "compile_prefill", "prompt", "median", "cap", "at_cap", "seed",
+           "mean_length", "device")
+# What a run sums over its parts (`combine`); the rates are recomputed from them.
+SUMMED = ("items_timed", "useful_tokens", "seconds", "decode_steps", "predicted_steps", "decode_seconds",
+          "prefill_seconds", "other_seconds")
+
+
+def batch_range(value: str, batches: int) -> range:
+    """A `--static-batches` argument, `START:STOP` (either side may be left out), as the range of the
+    queue's static batches it names, within its `batches`."""
+    start, colon, stop = value.partition(":")
+    if not colon:
+        raise ValueError(f"--static-batches takes START:STOP, got {value!r}")
+    chosen = range(batches)[slice(int(start) if start else None, int(stop) if stop else None)]
+    if not chosen or chosen.step != 1:
+        raise ValueError(f"--static-batches {value!r} names none of the queue's {batches} batches")
+    return chosen
+
+
+def rates(row: dict) -> dict:
+    """`row` with its items per hour, useful tokens/s and ms per step from its sums."""
+    return {**row, "items_per_hour": row["items_timed"] / row["seconds"] * 3600,
+            "useful_tokens_per_s": row["useful_tokens"] / row["seconds"],
+            "ms_per_step": row["decode_seconds"] / max(row["decode_steps"], 1) * 1e3}
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """Each method's continuous row gets `speedup`, its items per hour over the static row's, whichever
+    mode ran first."""
+    by_key = {(row["method"], row["mode"]): row for row in rows}  # a run's methods share one budget
+    for (method, mode), row in by_key.items():
+        static = by_key.get((method, "static"))
+        if mode == "continuous" and static is not None:
+            row["speedup"] = row["items_per_hour"] / static["items_per_hour"]
+    return rows
 
 
 def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, cap: int,
                  refill_rows: int = EngineConfig.refill_rows, modes: tuple[str, ...] = MODES,
-                 compile_prefill: bool = False) -> list[dict]:
+                 compile_prefill: bool = False, static_batches: range | None = None) -> list[dict]:
+    """Rows of `modes` for one method. `static_batches`: the static run's batches of the queue
+    (default every one), for a scale whose static run outlasts one sitting (`combine` adds them up)."""
     policy = method_policy(method, budget)
     engine = bench_engine(model, policy, batch_size=batch, refill_rows=refill_rows, compile_prefill=compile_prefill)
     config = engine.config
     generation = GenerationConfig(max_new_tokens=cap, ignore_eos=True)
     engine.warm_up()
-    useful = sum(lengths)
-    predicted = predicted_steps(lengths, batch, cap, config.check_every, config.refill_rows)
+    static_batches = static_batches or range(-(-len(prompts) // batch))
+    static_items = slice(static_batches.start * batch, static_batches.stop * batch)
+    static_prompts, static_lengths = prompts[static_items], lengths[static_items]
+    runs = {"static": (lambda: run_static(engine, static_prompts, static_lengths, generation, batch), static_lengths,
+                       static_steps(static_lengths, batch, cap, config.check_every)),
+            "continuous": (lambda: run_continuous(engine, prompts, lengths, generation), lengths,
+                           continuous_schedule(lengths, batch, config.check_every, config.refill_rows)[0])}
     rows = []
-    runs = {"static": (lambda: run_static(engine, prompts, lengths, generation, batch), predicted[0]),
-            "continuous": (lambda: run_continuous(engine, prompts, lengths, generation), predicted[1])}
     for mode in modes:
-        run, steps_expected = runs[mode]
+        run, drawn, steps_expected = runs[mode]
         (generated, steps, prefill, decode), seconds = timed(run, engine.device)
-        if generated != lengths:
+        if generated != drawn:
             raise RuntimeError(f"{method} {mode}: rows did not stop at their drawn lengths")
-        rows.append({"method": method, "budget": policy.budget, "mode": mode,
-                     "seconds": seconds, "items_per_hour": len(prompts) / seconds * 3600,
-                     "useful_tokens_per_s": useful / seconds, "decode_steps": steps,
-                     "predicted_steps": steps_expected, "ms_per_step": decode / max(steps, 1) * 1e3,
-                     "prefill_seconds": prefill, "other_seconds": seconds - prefill - decode})
+        rows.append(rates({
+            "method": method, "budget": policy.budget, "mode": mode,
+            "static_batches": f"{static_batches.start}:{static_batches.stop}" if mode == "static" else None,
+            "items_timed": len(drawn), "useful_tokens": sum(drawn), "seconds": seconds, "decode_steps": steps,
+            "predicted_steps": steps_expected, "decode_seconds": decode, "prefill_seconds": prefill,
+            "other_seconds": seconds - prefill - decode}))
         print(f"{method} {mode}: {seconds:.1f} s, {rows[-1]['items_per_hour']:.0f} items/hour, "
               f"{rows[-1]['useful_tokens_per_s']:.0f} useful tokens/s, {steps} decode steps", flush=True)
-    if len(rows) == 2:  # on the continuous row, whichever mode ran first
-        by_mode = {row["mode"]: row for row in rows}
-        by_mode["continuous"]["speedup"] = by_mode["continuous"]["items_per_hour"] / by_mode["static"]["items_per_hour"]
-    return rows
+    return add_speedups(rows)
+
+
+def combine(tables: list[pd.DataFrame]) -> pd.DataFrame:
+    """The workload tables of one setting's parts (runs of one mode, static runs of disjoint batch
+    ranges) as that setting's table: each method's mode summed over its parts, its rates recomputed,
+    the speedup of continuous over static. Refuses parts of different settings, overlapping or missing
+    static batches, and a mode run twice."""
+    table = pd.concat(tables, ignore_index=True)
+    setting = [column for column in SETTING if column in table]
+    if len(table[setting].drop_duplicates()) != 1:
+        raise ValueError(f"the parts are of different settings:\n{table[setting].drop_duplicates().to_string()}")
+    batches = -(-int(table["items"].iloc[0]) // int(table["batch"].iloc[0]))
+    rows = []
+    for (method, mode), parts in table.groupby(["method", "mode"], sort=False):
+        if mode == "static":
+            covered = sorted(index for value in parts["static_batches"] for index in batch_range(value, batches))
+            if covered != list(range(batches)):
+                raise ValueError(f"{method} static: the parts' batches {list(parts['static_batches'])} do not "
+                                 f"cover the queue's {batches} batches once each")
+        elif len(parts) != 1:
+            raise ValueError(f"{method} {mode} was run {len(parts)} times")
+        row = {"method": method, "budget": parts["budget"].iloc[0], "mode": mode,
+               "static_batches": f"0:{batches}" if mode == "static" else None,
+               **{column: parts[column].sum() for column in SUMMED}}
+        rows.append(rates(row))
+    methods = list(table["method"].unique())
+    rows.sort(key=lambda row: (methods.index(row["method"]), MODES.index(row["mode"])))
+    return pd.DataFrame(add_speedups(rows)).assign(**table[setting].iloc[0].to_dict())
 
 
 def main(argv: list[str] | None = None) -> pd.DataFrame:
@@ -196,10 +267,20 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                              "shows what running second does to a mode's step")
     parser.add_argument("--compile-prefill", action="store_true",
                         help="engine.compile_prefill: the prompt forwards through torch.compile (GPU only)")
+    parser.add_argument("--static-batches", default=":",
+                        help="START:STOP, the static run's batches of the queue (default every one): a static "
+                             "run that outlasts one sitting runs in parts, which --combine adds up")
     parser.add_argument("--predict", action="store_true",
                         help="only print the decode steps each mode takes by the engine's rules, and the "
                              "admissions of continuous batching (no model)")
+    parser.add_argument("--combine", nargs="+", metavar="CSV",
+                        help="no run: the tables of one setting's parts (one mode each, static batch ranges) "
+                             "as one table, written to --out")
     args = parser.parse_args(argv)
+    if args.combine:
+        table = combine([pd.read_csv(path) for path in args.combine])
+        write_table(table, args.out, f"{len(args.combine)} parts combined", {}, decimals=2)
+        return table
     lengths = output_lengths(args.items, args.median, args.cap, args.at_cap, args.seed)
     print(f"{args.items} items, output lengths: mean {np.mean(lengths):.0f}, median {np.median(lengths):.0f}, "
           f"{np.mean(np.array(lengths) == args.cap):.0%} at the cap of {args.cap}", flush=True)
@@ -221,6 +302,10 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     modes = tuple(args.modes.split(","))
     if not modes or not set(modes) <= set(MODES) or len(set(modes)) != len(modes):
         parser.error(f"--modes takes static, continuous or both, got {args.modes!r}")
+    try:
+        static_batches = batch_range(args.static_batches, -(-args.items // args.batch))
+    except ValueError as error:
+        parser.error(str(error))
 
     spec = model_spec(args.model, weights="random")
     device = resolve_device(args.device)
@@ -230,7 +315,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     rows = []
     for method in args.methods.split(","):
         rows += bench_method(model, method, args.budget, prompts, lengths, args.batch, args.cap, refills[0], modes,
-                             args.compile_prefill)
+                             args.compile_prefill, static_batches)
     table = pd.DataFrame(rows)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     heading = (f"{args.model} (random weights), {args.items} items, batch {args.batch}, prompt {args.prompt}, "
@@ -238,7 +323,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     write_table(table, args.out, heading, dict(
         model=args.model, items=args.items, batch=args.batch, refill_rows=refills[0],
         compile_prefill=args.compile_prefill, prompt=args.prompt,
-        median=args.median, cap=args.cap, at_cap=args.at_cap, mean_length=float(np.mean(lengths)), device=gpu),
+        median=args.median, cap=args.cap, at_cap=args.at_cap, seed=args.seed, mean_length=float(np.mean(lengths)),
+        device=gpu),
         decimals=2)
     return table
 
