@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from evals.bench import workload
 from evals.bench.workload import (
     batch_range,
     continuous_schedule,
@@ -120,3 +121,18 @@ def test_combining_refuses_parts_that_do_not_make_one_run(tmp_path):
           "--out", str(other)])
     with pytest.raises(ValueError, match="settings"):
         main(["--combine", str(a), str(other), "--out", str(tmp_path / "c.csv")])
+
+
+def test_a_run_stopped_midway_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    """The CSV is rewritten after every row: a process stopped during its second mode (a device
+    call's time limit) leaves the first mode's row behind."""
+    def stopped(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(workload, "run_continuous", stopped)
+    out = tmp_path / "workload.csv"
+    with pytest.raises(KeyboardInterrupt):
+        main([*RUN, "--out", str(out)])
+    kept = pd.read_csv(out)
+    assert list(kept["mode"]) == ["static"] and kept["method"].item() == "longflow"
+    assert kept["decode_steps"].item() == kept["predicted_steps"].item() > 0

@@ -38,12 +38,13 @@ import argparse
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import pandas as pd
 import torch
 
-from evals.bench.common import bench_engine, method_policy, random_prompts, write_table
+from evals.bench.common import bench_engine, method_policy, random_prompts, save_table, write_table
 from evals.configs import model_spec
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine, synchronize
@@ -185,9 +186,11 @@ def add_speedups(rows: list[dict]) -> list[dict]:
 
 def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, cap: int,
                  refill_rows: int = EngineConfig.refill_rows, modes: tuple[str, ...] = MODES,
-                 compile_prefill: bool = False, static_batches: range | None = None) -> list[dict]:
-    """Rows of `modes` for one method. `static_batches`: the static run's batches of the queue
-    (default every one), for a scale whose static run outlasts one sitting (`combine` adds them up)."""
+                 compile_prefill: bool = False, static_batches: range | None = None,
+                 on_row: Callable[[dict], None] | None = None) -> list[dict]:
+    """Rows of `modes` for one method, each handed to `on_row` as soon as it is measured.
+    `static_batches`: the static run's batches of the queue (default every one), for a scale whose
+    static run outlasts one sitting (`combine` adds them up)."""
     policy = method_policy(method, budget)
     engine = bench_engine(model, policy, batch_size=batch, refill_rows=refill_rows, compile_prefill=compile_prefill)
     config = engine.config
@@ -214,6 +217,8 @@ def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, 
             "other_seconds": seconds - prefill - decode}))
         print(f"{method} {mode}: {seconds:.1f} s, {rows[-1]['items_per_hour']:.0f} items/hour, "
               f"{rows[-1]['useful_tokens_per_s']:.0f} useful tokens/s, {steps} decode steps", flush=True)
+        if on_row is not None:
+            on_row(rows[-1])
     return add_speedups(rows)
 
 
@@ -312,20 +317,23 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     model, _ = load_model(spec, device)
     prompts = random_prompts(args.items, args.prompt, model.config.get_text_config().vocab_size, args.seed)
 
-    rows = []
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    setting = dict(model=args.model, items=args.items, batch=args.batch, refill_rows=refills[0],
+                   compile_prefill=args.compile_prefill, prompt=args.prompt, median=args.median, cap=args.cap,
+                   at_cap=args.at_cap, seed=args.seed, mean_length=float(np.mean(lengths)), device=gpu)
+    rows, measured = [], []
+
+    def keep(row: dict) -> None:  # the CSV after every row: a run stopped by a time limit keeps what it measured
+        measured.append(row)
+        save_table(pd.DataFrame(measured), args.out, setting)
+
     for method in args.methods.split(","):
         rows += bench_method(model, method, args.budget, prompts, lengths, args.batch, args.cap, refills[0], modes,
-                             args.compile_prefill, static_batches)
-    table = pd.DataFrame(rows)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+                             args.compile_prefill, static_batches, keep)
     heading = (f"{args.model} (random weights), {args.items} items, batch {args.batch}, prompt {args.prompt}, "
                f"output lengths log-normal (median {args.median}, {args.at_cap:.0%} at the cap {args.cap}), on {gpu}")
-    write_table(table, args.out, heading, dict(
-        model=args.model, items=args.items, batch=args.batch, refill_rows=refills[0],
-        compile_prefill=args.compile_prefill, prompt=args.prompt,
-        median=args.median, cap=args.cap, at_cap=args.at_cap, seed=args.seed, mean_length=float(np.mean(lengths)),
-        device=gpu),
-        decimals=2)
+    table = pd.DataFrame(rows)
+    write_table(table, args.out, heading, setting, decimals=2)
     return table
 
 
