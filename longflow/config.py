@@ -109,6 +109,10 @@ class EngineConfig:
     number of rows above one (`longflow.compile`). Off by default until its gain is measured on a
     GPU: it removes the eager forward's per-op launches and unfused elementwise kernels, against a
     compilation at the run's start.
+    `overlap_admissions`: under continuous batching, an admission made while some row decodes is
+    prefilled beside the next round of steps (on a stream of its own on a GPU) and adopted at its
+    check, instead of stalling every row for its prefill; the admitted rows start a round later.
+    Not with verification. Off by default until its gain is measured on a GPU.
     """
 
     batch_size: int = 64  # rows decoding together
@@ -116,6 +120,7 @@ class EngineConfig:
     compile: bool = True
     compile_tuning: bool | None = None
     compile_prefill: bool = False
+    overlap_admissions: bool = False
     check_every: int = 16  # decode steps between host checks for finished rows
     continuous: bool = True
     prefill_rows: int = 16  # most prompts prefilled together when finished rows are refilled

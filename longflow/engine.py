@@ -21,6 +21,7 @@ Notation: B batch (rows), L padded prompt length, T max_new_tokens, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections import deque
@@ -70,6 +71,17 @@ class Served:
 
 
 @dataclass
+class Staged:
+    """An admission prefilled apart, waiting for its rows (`Engine.serve` with overlapped admissions)."""
+
+    rows: list[int]
+    indices: list[int]  # the queue's prompts it holds, in the order of `rows`
+    cache: PolicyCache
+    state: DecodeState
+    started: float  # host clock at the start of its prefill
+
+
+@dataclass
 class ServeRound:
     """What `Engine.serve` did between two looks at the device: the sequences it finished, and the
     work since the previous round (the admissions' prefills, the decode steps of every row)."""
@@ -80,7 +92,7 @@ class ServeRound:
     peak_memory_bytes: int | None
     cuda_graph: bool
     rows: int  # rows decoding together
-    admitted: int  # sequences prefilled into free rows at the start of the round
+    admitted: int  # sequences prefilled into free rows for the round (beside it, when overlapped)
 
 
 class DecodeState:
@@ -341,6 +353,12 @@ class Engine:
         prefills at most `prefill_rows` prompts together through a policy of their own and copies
         them into the free rows. A row left without work when the queue is empty is released and
         decodes padding, unread, until the last sequence ends.
+
+        With `engine.overlap_admissions` (not with verification), an admission made while some row
+        decodes is prefilled beside the next round instead of before it (on a GPU on a stream of its
+        own, while the round's graph replays run) and copied into its rows at the round's check:
+        the decoding rows do not wait for it, and the admitted ones start a round later. The tokens
+        are the same either way.
         """
         check_inputs(prompts, seeds, limits, generation)
         limits = limits or [generation.max_new_tokens] * len(prompts)
@@ -364,33 +382,64 @@ class Engine:
         holder: list[int | None] = [None] * rows  # the prompt index each row decodes
         started = [0.0] * rows
         released: set[int] = set()
+        overlap = self.config.overlap_admissions and verifier is None
+        side = torch.cuda.Stream(self.device) if overlap and on_gpu else None
+        adopted: list[Staged] = []  # the last round's admissions, alive until the device has copied them
         while True:
             free = [row for row in range(rows) if holder[row] is None]
             ready = len(free) >= min(self.config.refill_rows, rows, len(queue))
             admitted, prefill_seconds = free[:len(queue)] if ready else [], 0.0
-            for first in range(0, len(admitted), self.config.prefill_rows):
-                chunk = admitted[first:first + self.config.prefill_rows]
-                indices = [queue.popleft() for _ in chunk]
-                start = time.perf_counter()
-                self.admit(cache, state, chunk, [prompts[i] for i in indices], [seeds[i] for i in indices],
-                           [limits[i] for i in indices], length, generation, full, verifier)
-                synchronize(self.device)
-                prefill_seconds += time.perf_counter() - start
-                for row, index in zip(chunk, indices, strict=True):
-                    holder[row], started[row] = index, start
+            chunks = [admitted[first:first + self.config.prefill_rows]
+                      for first in range(0, len(admitted), self.config.prefill_rows)]
+            # Beside the round only while some row decodes: with none (the first admission, or every
+            # row found finished at one check) nothing would hide the prefill.
+            beside = overlap and bool(admitted) and any(index is not None for index in holder)
+            if not beside:
+                for chunk in chunks:
+                    indices = [queue.popleft() for _ in chunk]
+                    start = time.perf_counter()
+                    self.admit(cache, state, chunk, [prompts[i] for i in indices], [seeds[i] for i in indices],
+                               [limits[i] for i in indices], length, generation, full, verifier)
+                    synchronize(self.device)
+                    prefill_seconds += time.perf_counter() - start
+                    for row, index in zip(chunk, indices, strict=True):
+                        holder[row], started[row] = index, start
             if all(index is None for index in holder):
                 return
+            launched = time.perf_counter()
             if verifier is None:
-                step_seconds = stepper.run(self.config.check_every)
+                timer = stepper.launch(self.config.check_every)
+                staged = []
+                if beside:
+                    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                        for chunk in chunks:
+                            indices = [queue.popleft() for _ in chunk]
+                            staged.append(self.prefill_apart(chunk, indices, prompts, seeds, limits, length,
+                                                             generation, track_seen=state.seen is not None))
+                step_seconds = timer.seconds()  # waits for the device, the prefills beside included
             else:  # rounds of h + 1 tokens at most, about `check_every` tokens between looks
                 step_seconds = [verifier.run_round()
                                 for _ in range(max(1, self.config.check_every // (self.verify.horizon + 1)))]
+            adopted.clear()  # the device has run the copies of the round before
+            round_end = time.perf_counter()
             finished = state.finished.tolist()
             done = [row for row in range(rows) if holder[row] is not None and finished[row]]
             served = self.harvest(cache, state, done, [holder[row] for row in done], [started[row] for row in done],
                                   prompts, generation, verifier)
             for row in done:
                 holder[row] = None
+            if beside:
+                start = time.perf_counter()
+                if side is not None:
+                    torch.cuda.current_stream(self.device).wait_stream(side)
+                for admission in staged:
+                    self.adopt(cache, state, admission.rows, admission.cache, admission.state)
+                    for row, index in zip(admission.rows, admission.indices, strict=True):
+                        holder[row], started[row] = index, admission.started
+                adopted.extend(staged)
+                # What the admissions added to the round's time: the prefills' host work and device
+                # work that the steps did not hide, and the copies into the rows.
+                prefill_seconds = max(0.0, round_end - launched - sum(step_seconds)) + time.perf_counter() - start
             idle = [row for row in range(rows) if holder[row] is None and row not in released] if not queue else []
             if idle:  # free rows the queue can no longer fill (some may have waited for `refill_rows`)
                 cache.policy.release(idle)
@@ -403,6 +452,17 @@ class Engine:
                 cuda_graph=(stepper if verifier is None else verifier.step).graph is not None, rows=rows,
                 admitted=len(admitted),
             )
+
+    def prefill_apart(self, rows: list[int], indices: list[int], prompts: list[list[int]], seeds: list[int],
+                      limits: list[int], length: int, generation: GenerationConfig, track_seen: bool) -> Staged:
+        """The queue's prompts `indices` prefilled through a policy of their own, for `rows` to adopt
+        later (`adopt`)."""
+        started = time.perf_counter()
+        input_ids, pad = self.batch_inputs([prompts[i] for i in indices])
+        staged, staged_state = self.stage([seeds[i] for i in indices], [limits[i] for i in indices], length,
+                                          generation, track_seen)
+        self.prefill(staged, staged_state, input_ids, pad, generation)
+        return Staged(rows, indices, staged, staged_state, started)
 
     def admit(self, cache: PolicyCache, state: DecodeState, rows: list[int], prompts: list[list[int]],
               seeds: list[int], limits: list[int], length: int, generation: GenerationConfig,
@@ -562,6 +622,11 @@ class Stepper:
 
     def run(self, steps: int) -> list[float]:
         """Runs `steps` steps; returns the seconds of each."""
+        return self.launch(steps).seconds()
+
+    def launch(self, steps: int) -> StepTimer:
+        """Enqueues `steps` steps (on a GPU the host returns once they are queued, unless a hook
+        syncs); their timer's `seconds` waits for them."""
         timer = StepTimer(self.device)
         for _ in range(steps):
             step = self.count
@@ -583,7 +648,7 @@ class Stepper:
                 policy.after_step(step)
             timer.stop()
             self.count += 1
-        return timer.seconds()
+        return timer
 
 
 def capture(step: Callable[[], None]) -> torch.cuda.CUDAGraph | None:

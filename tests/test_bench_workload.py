@@ -81,6 +81,21 @@ RUN = ["--model", "tiny_qwen3", "--methods", "longflow,vanilla", "--budget", "24
        "--prompt", "16", "--median", "6", "--cap", "24", "--device", "cpu"]
 
 
+def test_predicted_steps_with_overlapped_admissions_by_hand():
+    # Rows of 2, checks every 4, refill at 1. The first admission (no row decoding) goes before its
+    # round: 9 and 3 (8 and 2 owed). At the check at 4 the second row is free and 5 is prefilled
+    # beside the next round; it owes 4 from the check at 8, where the first row is free and 1 goes
+    # beside the round to 12, owing nothing from there; found at the check at 16.
+    assert continuous_schedule([9, 3, 5, 1], rows=2, check_every=4, refill_rows=1, overlap=True) == (16, [2, 1, 1])
+
+
+def test_a_run_with_overlapped_admissions_takes_the_predicted_steps(tmp_path):
+    out = tmp_path / "workload.csv"
+    table = main([*RUN, "--modes", "continuous", "--overlap-admissions", "--out", str(out)])
+    assert (table["decode_steps"] == table["predicted_steps"]).all()
+    assert pd.read_csv(out)["overlap_admissions"].all()
+
+
 def test_batch_ranges():
     assert batch_range(":", 4) == range(4) and batch_range("1:", 4) == range(1, 4) and batch_range(":2", 4) == range(2)
     for value in ("2", "3:1", "5:"):

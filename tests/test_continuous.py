@@ -132,3 +132,68 @@ def test_rows_wait_until_refill_rows_are_free(qwen3):
     items = {item.index: item for round_ in rounds for item in round_.finished}
     assert [len(items[i].tokens) for i in range(len(TEXTS))] == LIMITS
     assert sorted(released) == [0, 1, 2]
+
+
+OVERLAPPED = replace(SERVING, overlap_admissions=True)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "longflow", "rkv", "h2o", "keydiff", "lkv"])
+def test_overlapped_admissions_give_every_item_its_tokens_alone(qwen3, method):
+    """Admissions prefilled beside the next round and adopted at its check: the same tokens as each
+    item alone, whichever order the queue has."""
+    model, tokenizer = qwen3
+
+    def factory():
+        return policy_of("vanilla", None) if method == "vanilla" else capped_policy(method, BUDGET)
+
+    generation = GenerationConfig(max_new_tokens=MAX_NEW)
+    seeds = list(range(len(TEXTS)))
+    expected = alone(model, tokenizer, factory, generation, seeds)
+    for order in (range(len(TEXTS)), [4, 0, 5, 1, 3, 2]):
+        engine = Engine(model, factory, eos_token_ids(model, tokenizer), tokenizer.pad_token_id, OVERLAPPED)
+        prompts = prompts_of(tokenizer)
+        rounds = list(engine.serve([prompts[i] for i in order], generation, [seeds[i] for i in order],
+                                   limits=[LIMITS[i] for i in order]))
+        finished = {order[item.index]: item for round_ in rounds for item in round_.finished}
+        assert [(finished[i].tokens, finished[i].finish_reason) for i in range(len(TEXTS))] == expected
+
+
+def test_overlapped_admissions_start_a_round_later(qwen3):
+    """EOS ignored, the steps are those of the schedule in which an admission made while rows decode
+    joins after the next round (the workload benchmark's model of it), more than without overlap;
+    the first admission, with no row decoding, is prefilled before its round."""
+    from evals.bench.workload import continuous_schedule
+
+    model, tokenizer = qwen3
+    generation = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
+
+    def steps(config):
+        engine = Engine(model, lambda: policy_of("longflow", BUDGET), [], tokenizer.pad_token_id, config)
+        rounds = list(engine.serve(prompts_of(tokenizer), generation, list(range(len(TEXTS))), limits=LIMITS))
+        items = {item.index: item for round_ in rounds for item in round_.finished}
+        assert [len(items[i].tokens) for i in range(len(TEXTS))] == LIMITS
+        assert all(round_.prefill_seconds >= 0 for round_ in rounds)
+        return sum(len(round_.step_seconds) for round_ in rounds), [r.admitted for r in rounds if r.admitted]
+
+    def predicted(overlap):
+        return continuous_schedule(LIMITS, SERVING.batch_size, SERVING.check_every, SERVING.refill_rows, overlap)
+
+    (overlapped, admitted), (plain, _) = steps(OVERLAPPED), steps(SERVING)
+    assert (overlapped, admitted) == predicted(True)
+    assert plain == predicted(False)[0] < overlapped
+
+
+def test_verification_admits_before_the_round_whatever_overlap_says(qwen3):
+    from longflow.config import VerifyConfig
+
+    model, tokenizer = qwen3
+    generation = GenerationConfig(max_new_tokens=MAX_NEW, ignore_eos=True)
+
+    def served_tokens(config):
+        engine = Engine(model, lambda: policy_of("longflow", BUDGET), [], tokenizer.pad_token_id, config,
+                        VerifyConfig(name="vericache", horizon=3))
+        rounds = list(engine.serve(prompts_of(tokenizer), generation, list(range(len(TEXTS))), limits=LIMITS))
+        return {item.index: item.tokens for round_ in rounds for item in round_.finished}, \
+            [(round_.admitted, len(round_.step_seconds)) for round_ in rounds]
+
+    assert served_tokens(OVERLAPPED) == served_tokens(SERVING)

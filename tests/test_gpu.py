@@ -179,6 +179,31 @@ def test_continuous_batching_under_graphs_gives_each_item_its_own_tokens(tiny_cu
         assert served(1024) == alone("vanilla", None)
 
 
+@pytest.mark.parametrize("compile_prefill", [False, True], ids=["eager_prefill", "compiled_prefill"])
+@pytest.mark.parametrize("method,variant", [("vanilla", None), ("longflow", None), ("rkv", "paper"), ("h2o", "paper")])
+def test_admissions_overlapped_on_their_own_stream_give_the_same_tokens(tiny_cuda, method, variant, compile_prefill):
+    """`engine.overlap_admissions`: prompts prefilled on a stream of their own while the rows' graph
+    replays run, adopted at the check; every item's tokens are those of admissions made before the
+    round, at a compressing budget, with the prompt forward eager or compiled."""
+    model, tokenizer = tiny_cuda
+    prompts = [tokenizer(text * repeat)["input_ids"] for text in TEXTS for repeat in (1, 4)]
+    limits = [90, 17, 160, 41, 5, 120]
+    fields = {} if variant is None else {"variant": variant}
+    generation = GenerationConfig(max_new_tokens=160)
+    eos = eos_token_ids(model, tokenizer)
+
+    def served(overlap):
+        config = EngineConfig(batch_size=3, prefill_rows=2, refill_rows=1, check_every=8, overlap_admissions=overlap,
+                              compile_prefill=compile_prefill)
+        engine = Engine(model, lambda: policy_of(method, 48, **fields), eos, tokenizer.pad_token_id, config)
+        rounds = list(engine.serve(prompts, generation, list(range(len(prompts))), limits=limits))
+        assert rounds[-1].cuda_graph
+        tokens = {item.index: item.tokens for round_ in rounds for item in round_.finished}
+        return [tokens[i] for i in range(len(prompts))]
+
+    assert served(True) == served(False)
+
+
 @pytest.mark.parametrize("method,budget", [("vanilla", None), ("longflow", 48)])
 def test_a_batch_of_one_compiles_with_kernel_tuning_and_keeps_its_tokens(tiny_cuda, method, budget):
     """`engine.compile_tuning` left at None tunes a batch of one only; there Inductor lowers every

@@ -24,7 +24,9 @@ Printed and written to `--out` (CSV): wall time, items per hour and useful token
 lengths, not the padding steps) of each, and the ratio; and where the time went: decode steps
 (with the count the engine's rules predict, `predicted_steps`), ms per step, prefill seconds and
 the rest (graph captures, host checks). `--compile-prefill` compiles the prompt forwards
-(`engine.compile_prefill`), for the admissions' share. `--predict` prints the predicted step
+(`engine.compile_prefill`), and `--overlap-admissions` prefills admissions beside the decoding
+rows' next round (`engine.overlap_admissions`; its `prefill_seconds` are then what the admissions
+add to the rounds' time), for the admissions' share. `--predict` prints the predicted step
 counts alone, and the number of admissions (prefills of refilled rows) continuous batching makes,
 with no model; with `--refill-rows 1,2,4,8` for each value, the trade-off of refilling sooner
 (fewer idle row-steps) against prefilling fewer rows at a time (more admissions, each with a fixed
@@ -108,11 +110,12 @@ def run_continuous(engine: Engine, prompts, lengths, generation) -> tuple[list[i
     return tokens, steps, prefill, decode
 
 
-def predicted_steps(lengths: list[int], rows: int, cap: int, check_every: int, refill_rows: int) -> tuple[int, int]:
+def predicted_steps(lengths: list[int], rows: int, cap: int, check_every: int, refill_rows: int,
+                    overlap: bool = False) -> tuple[int, int]:
     """The decode steps of static batches and of continuous batching over `lengths`, by the engine's
     rules (`static_steps`, `continuous_schedule`)."""
     return static_steps(lengths, rows, cap, check_every), continuous_schedule(lengths, rows, check_every,
-                                                                              refill_rows)[0]
+                                                                              refill_rows, overlap)[0]
 
 
 def static_steps(lengths: list[int], rows: int, cap: int, check_every: int) -> int:
@@ -125,30 +128,41 @@ def static_steps(lengths: list[int], rows: int, cap: int, check_every: int) -> i
     return steps
 
 
-def continuous_schedule(lengths: list[int], rows: int, check_every: int, refill_rows: int) -> tuple[int, list[int]]:
+def continuous_schedule(lengths: list[int], rows: int, check_every: int, refill_rows: int,
+                        overlap: bool = False) -> tuple[int, list[int]]:
     """`Engine.serve`'s decode steps over `lengths`, and the rows each admission prefilled: rows are
     refilled once `refill_rows` are free (fewer when the queue holds fewer), each sequence's first
-    token comes from its prefill, and finished rows are found at the next check."""
+    token comes from its prefill, and finished rows are found at the next check. With `overlap`
+    (`engine.overlap_admissions`), an admission made while some row decodes is prefilled beside the
+    next round and its rows decode from the round after."""
     rows = min(rows, len(lengths))
     queue, left = deque(lengths), [None] * rows  # decode steps each row still owes
     steps, admissions = 0, []
     while True:
         free = [row for row in range(rows) if left[row] is None]
+        pending = {}
         if queue and len(free) >= min(refill_rows, rows, len(queue)):
             admitted = free[:len(queue)]
+            beside = overlap and any(owed is not None for owed in left)
             for row in admitted:
-                left[row] = queue.popleft() - 1
+                owed = queue.popleft() - 1
+                if beside:
+                    pending[row] = owed
+                else:
+                    left[row] = owed
             admissions.append(len(admitted))
         if all(owed is None for owed in left):
             return steps, admissions
         steps += check_every
         left = [None if owed is None or owed <= check_every else owed - check_every for owed in left]
+        for row, owed in pending.items():
+            left[row] = owed
 
 
 MODES = ("static", "continuous")
 # The columns of a run's setting, which its parts must share (`combine`).
-SETTING = ("model", "items", "batch", "refill_rows", "compile_prefill", "prompt", "median", "cap", "at_cap", "seed",
-           "mean_length", "device")
+SETTING = ("model", "items", "batch", "refill_rows", "compile_prefill", "overlap_admissions", "prompt", "median",
+           "cap", "at_cap", "seed", "mean_length", "device")
 # What a run sums over its parts (`combine`); the rates are recomputed from them.
 SUMMED = ("items_timed", "useful_tokens", "seconds", "decode_steps", "predicted_steps", "decode_seconds",
           "prefill_seconds", "other_seconds")
@@ -187,12 +201,13 @@ def add_speedups(rows: list[dict]) -> list[dict]:
 def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, cap: int,
                  refill_rows: int = EngineConfig.refill_rows, modes: tuple[str, ...] = MODES,
                  compile_prefill: bool = False, static_batches: range | None = None,
-                 on_row: Callable[[dict], None] | None = None) -> list[dict]:
+                 on_row: Callable[[dict], None] | None = None, overlap_admissions: bool = False) -> list[dict]:
     """Rows of `modes` for one method, each handed to `on_row` as soon as it is measured.
     `static_batches`: the static run's batches of the queue (default every one), for a scale whose
     static run outlasts one sitting (`combine` adds them up)."""
     policy = method_policy(method, budget)
-    engine = bench_engine(model, policy, batch_size=batch, refill_rows=refill_rows, compile_prefill=compile_prefill)
+    engine = bench_engine(model, policy, batch_size=batch, refill_rows=refill_rows, compile_prefill=compile_prefill,
+                          overlap_admissions=overlap_admissions)
     config = engine.config
     generation = GenerationConfig(max_new_tokens=cap, ignore_eos=True)
     engine.warm_up()
@@ -202,7 +217,8 @@ def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, 
     runs = {"static": (lambda: run_static(engine, static_prompts, static_lengths, generation, batch), static_lengths,
                        static_steps(static_lengths, batch, cap, config.check_every)),
             "continuous": (lambda: run_continuous(engine, prompts, lengths, generation), lengths,
-                           continuous_schedule(lengths, batch, config.check_every, config.refill_rows)[0])}
+                           continuous_schedule(lengths, batch, config.check_every, config.refill_rows,
+                                               overlap_admissions)[0])}
     rows = []
     for mode in modes:
         run, drawn, steps_expected = runs[mode]
@@ -272,6 +288,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                              "shows what running second does to a mode's step")
     parser.add_argument("--compile-prefill", action="store_true",
                         help="engine.compile_prefill: the prompt forwards through torch.compile (GPU only)")
+    parser.add_argument("--overlap-admissions", action="store_true",
+                        help="engine.overlap_admissions: admissions prefilled beside the decoding rows' next round")
     parser.add_argument("--static-batches", default=":",
                         help="START:STOP, the static run's batches of the queue (default every one): a static "
                              "run that outlasts one sitting runs in parts, which --combine adds up")
@@ -295,7 +313,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
         rows = []
         static = static_steps(lengths, args.batch, args.cap, check_every)
         for refill_rows in refills:
-            continuous, admissions = continuous_schedule(lengths, args.batch, check_every, refill_rows)
+            continuous, admissions = continuous_schedule(lengths, args.batch, check_every, refill_rows,
+                                                         args.overlap_admissions)
             print(f"decode steps at batch {args.batch}, refill_rows {refill_rows}: static {static}, continuous "
                   f"{continuous} ({static / continuous:.2f}x fewer), in {len(admissions)} admissions")
             rows += [{"refill_rows": refill_rows, "mode": "static", "predicted_steps": static, "admissions": None},
@@ -319,7 +338,8 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     setting = dict(model=args.model, items=args.items, batch=args.batch, refill_rows=refills[0],
-                   compile_prefill=args.compile_prefill, prompt=args.prompt, median=args.median, cap=args.cap,
+                   compile_prefill=args.compile_prefill, overlap_admissions=args.overlap_admissions,
+                   prompt=args.prompt, median=args.median, cap=args.cap,
                    at_cap=args.at_cap, seed=args.seed, mean_length=float(np.mean(lengths)), device=gpu)
     rows, measured = [], []
 
@@ -329,7 +349,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
     for method in args.methods.split(","):
         rows += bench_method(model, method, args.budget, prompts, lengths, args.batch, args.cap, refills[0], modes,
-                             args.compile_prefill, static_batches, keep)
+                             args.compile_prefill, static_batches, keep, args.overlap_admissions)
     heading = (f"{args.model} (random weights), {args.items} items, batch {args.batch}, prompt {args.prompt}, "
                f"output lengths log-normal (median {args.median}, {args.at_cap:.0%} at the cap {args.cap}), on {gpu}")
     table = pd.DataFrame(rows)
