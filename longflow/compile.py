@@ -35,9 +35,10 @@ admission. Its rows and prompt length are dynamic from the first call (`maybe_ma
 that one graph serves every admission of two rows or more whatever the prompts' padded length, and a
 single row gets one more (Dynamo specialises sizes of 1). It cannot be a CUDA graph: the policies'
 prompt rules read the prompts' lengths on the host and choose the kept tokens with data-dependent
-shapes, inside the op. What compiling removes is the eager forward's per-op Python and its unfused
-elementwise kernels around the matmuls, about half an admission's device time and most of its host
-time at small admissions (docs/engine.md, "Where an admission's time goes").
+shapes, inside the op. What compiling targets is the eager forward's per-op Python and its unfused
+elementwise kernels around the matmuls, which the profile put at about half an admission's device
+time and most of its host time at small admissions (docs/engine.md, "Where an admission's time
+goes"); what it saves on a GPU is not yet measured.
 """
 
 from __future__ import annotations
