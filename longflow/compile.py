@@ -21,7 +21,7 @@ is sound because the buffers it writes are read by no other op of the graph and 
 successive layers are ordered by their data. The forward is then one graph with no break and its
 layers unrolled, the layer index a constant of each op call, so nothing recompiles per layer.
 
-Decode (`compiled_decode`): one token per row. The batch size is specialised at the first
+Decode (`compiled_forward(model, tuning)`): one token per row. The batch size is specialised at the first
 compilation and made dynamic at the first other one (Dynamo's automatic dynamic shapes; a batch of 1
 keeps its own graph). Compilation happens at the first decode step of a batch, which the engine runs
 eagerly before capturing its graph; Inductor's default mode, since the engine owns the CUDA graph.
@@ -30,7 +30,7 @@ M = 1 Inductor then lowers each matmul to a Triton reduction of its own, fused w
 it or the activation and residual after it (gpt-fast's setting); at larger batches the matmuls stay
 cuBLAS's and tuning measured nothing (docs/engine.md).
 
-Prefill (`compiled_prefill`, `engine.compile_prefill`): the prompt forward of a batch or of an
+Prefill (`compiled_forward(model, prompt=True)`, `engine.compile_prefill`): the prompt forward of a batch or of an
 admission. Its rows and prompt length are dynamic from the first call (`maybe_mark_dynamic`), so
 that one graph serves every admission of two rows or more whatever the prompts' padded length, and a
 single row gets one more (Dynamo specialises sizes of 1). It cannot be a CUDA graph: the policies'
@@ -132,7 +132,6 @@ class CompiledForward:
                                  policy_attention_op(f"policy_attention_{next(_instances)}", self.running))
         self.tuning = tuning
         self.prompt = prompt
-        self.phase = "prefill" if prompt else "decode"
         options = {"coordinate_descent_tuning": True} if tuning else None
         # Dynamo keeps compiled graphs, and counts recompilations against `recompile_limit` (8), per
         # code object. Every instance shared `_forward`'s: the graphs of every model, batch size and
@@ -144,6 +143,10 @@ class CompiledForward:
                                       options=options)
         self.compile_seconds = 0.0
         self.failed = False
+
+    @property
+    def phase(self) -> str:
+        return "prefill" if self.prompt else "decode"
 
     def running(self) -> KVPolicy:
         return self.active
@@ -191,12 +194,3 @@ def compiled_forward(model: PreTrainedModel, tuning: bool = False, prompt: bool 
         model.longflow_compiled_forwards[key] = CompiledForward(model, tuning=tuning, prompt=prompt)
     return model.longflow_compiled_forwards[key]
 
-
-def compiled_decode(model: PreTrainedModel, tuning: bool = False) -> CompiledForward:
-    """The decode step's compiled forward (one token per row)."""
-    return compiled_forward(model, tuning=tuning)
-
-
-def compiled_prefill(model: PreTrainedModel) -> CompiledForward:
-    """The prompt forward, compiled with its rows and length dynamic."""
-    return compiled_forward(model, prompt=True)

@@ -32,7 +32,7 @@ import torch
 from transformers import PreTrainedModel
 
 from longflow.cache import PolicyCache
-from longflow.compile import compiled_decode, compiled_prefill
+from longflow.compile import compiled_forward
 from longflow.config import EngineConfig, GenerationConfig, VerifyConfig
 from longflow.policy import ALIGN, CacheSpec, KVPolicy, round_up
 from longflow.sampling import select_tokens
@@ -167,9 +167,10 @@ class Engine:
         if self.device.type == "cuda":
             if self.config.compile:
                 tuning = self.config.compile_tuning
-                self.decode_forward = compiled_decode(model, self.config.batch_size == 1 if tuning is None else tuning)
+                self.decode_forward = compiled_forward(model, tuning=self.config.batch_size == 1 if tuning is None
+                                                       else tuning)
             if self.config.compile_prefill:
-                self.prefill_forward = compiled_prefill(model)
+                self.prefill_forward = compiled_forward(model, prompt=True)
 
     # ---- the steps ---------------------------------------------------------------------------
 
@@ -413,9 +414,11 @@ class Engine:
                 if beside:
                     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                         for chunk in chunks:
-                            indices = [queue.popleft() for _ in chunk]
-                            staged.append(self.prefill_apart(chunk, indices, prompts, seeds, limits, length,
-                                                             generation, track_seen=state.seen is not None))
+                            indices, start = [queue.popleft() for _ in chunk], time.perf_counter()
+                            staged_cache, staged_state, _ = self.prefill_apart(
+                                [prompts[i] for i in indices], [seeds[i] for i in indices],
+                                [limits[i] for i in indices], length, generation, state.seen is not None)
+                            staged.append(Staged(chunk, indices, staged_cache, staged_state, start))
                 step_seconds = timer.seconds()  # waits for the device, the prefills beside included
             else:  # rounds of h + 1 tokens at most, about `check_every` tokens between looks
                 step_seconds = [verifier.run_round()
@@ -453,16 +456,16 @@ class Engine:
                 admitted=len(admitted),
             )
 
-    def prefill_apart(self, rows: list[int], indices: list[int], prompts: list[list[int]], seeds: list[int],
-                      limits: list[int], length: int, generation: GenerationConfig, track_seen: bool) -> Staged:
-        """The queue's prompts `indices` prefilled through a policy of their own, for `rows` to adopt
-        later (`adopt`)."""
-        started = time.perf_counter()
-        input_ids, pad = self.batch_inputs([prompts[i] for i in indices])
-        staged, staged_state = self.stage([seeds[i] for i in indices], [limits[i] for i in indices], length,
-                                          generation, track_seen)
-        self.prefill(staged, staged_state, input_ids, pad, generation)
-        return Staged(rows, indices, staged, staged_state, started)
+    def prefill_apart(self, prompts: list[list[int]], seeds: list[int], limits: list[int], length: int,
+                      generation: GenerationConfig, track_seen: bool, verifying: bool = False,
+                      ) -> tuple[PolicyCache, DecodeState, PolicyCache | None]:
+        """`prompts` prefilled through a policy of their own, allocated like the rows' (prompt length
+        `length`), and when `verifying` through a full cache of their own too, for rows to adopt."""
+        input_ids, pad = self.batch_inputs(prompts)
+        staged, staged_state = self.stage(seeds, limits, length, generation, track_seen)
+        staged_full = self.new_full_cache(len(prompts), length, generation) if verifying else None
+        self.prefill(staged, staged_state, input_ids, pad, generation, staged_full)
+        return staged, staged_state, staged_full
 
     def admit(self, cache: PolicyCache, state: DecodeState, rows: list[int], prompts: list[list[int]],
               seeds: list[int], limits: list[int], length: int, generation: GenerationConfig,
@@ -470,10 +473,8 @@ class Engine:
         """Prefills `prompts` through a policy of their own, allocated like the rows' (prompt length
         `length`), and hands them to `rows` of `cache` and `state`; with verification, through a full
         cache of their own too, handed to `rows` of `full`, and the rows' statistics restart."""
-        input_ids, pad = self.batch_inputs(prompts)
-        staged, staged_state = self.stage(seeds, limits, length, generation, track_seen=state.seen is not None)
-        staged_full = None if full is None else self.new_full_cache(len(prompts), length, generation)
-        self.prefill(staged, staged_state, input_ids, pad, generation, staged_full)
+        staged, staged_state, staged_full = self.prefill_apart(prompts, seeds, limits, length, generation,
+                                                               state.seen is not None, verifying=full is not None)
         self.adopt(cache, state, rows, staged, staged_state)
         if full is not None:
             index = torch.tensor(rows, dtype=torch.long, device=self.device)

@@ -110,12 +110,11 @@ def run_continuous(engine: Engine, prompts, lengths, generation) -> tuple[list[i
     return tokens, steps, prefill, decode
 
 
-def predicted_steps(lengths: list[int], rows: int, cap: int, check_every: int, refill_rows: int,
-                    overlap: bool = False) -> tuple[int, int]:
+def predicted_steps(lengths: list[int], rows: int, cap: int, check_every: int, refill_rows: int) -> tuple[int, int]:
     """The decode steps of static batches and of continuous batching over `lengths`, by the engine's
     rules (`static_steps`, `continuous_schedule`)."""
     return static_steps(lengths, rows, cap, check_every), continuous_schedule(lengths, rows, check_every,
-                                                                              refill_rows, overlap)[0]
+                                                                              refill_rows)[0]
 
 
 def static_steps(lengths: list[int], rows: int, cap: int, check_every: int) -> int:
@@ -168,6 +167,11 @@ SUMMED = ("items_timed", "useful_tokens", "seconds", "decode_steps", "predicted_
           "prefill_seconds", "other_seconds")
 
 
+def batch_count(items: int, batch: int) -> int:
+    """The static batches of a queue of `items`, the last one partial."""
+    return -(-items // batch)
+
+
 def batch_range(value: str, batches: int) -> range:
     """A `--static-batches` argument, `START:STOP` (either side may be left out), as the range of the
     queue's static batches it names, within its `batches`."""
@@ -211,7 +215,7 @@ def bench_method(model, method: str, budget: int, prompts, lengths, batch: int, 
     config = engine.config
     generation = GenerationConfig(max_new_tokens=cap, ignore_eos=True)
     engine.warm_up()
-    static_batches = static_batches or range(-(-len(prompts) // batch))
+    static_batches = static_batches or range(batch_count(len(prompts), batch))
     static_items = slice(static_batches.start * batch, static_batches.stop * batch)
     static_prompts, static_lengths = prompts[static_items], lengths[static_items]
     runs = {"static": (lambda: run_static(engine, static_prompts, static_lengths, generation, batch), static_lengths,
@@ -247,7 +251,7 @@ def combine(tables: list[pd.DataFrame]) -> pd.DataFrame:
     setting = [column for column in SETTING if column in table]
     if len(table[setting].drop_duplicates()) != 1:
         raise ValueError(f"the parts are of different settings:\n{table[setting].drop_duplicates().to_string()}")
-    batches = -(-int(table["items"].iloc[0]) // int(table["batch"].iloc[0]))
+    batches = batch_count(int(table["items"].iloc[0]), int(table["batch"].iloc[0]))
     rows = []
     for (method, mode), parts in table.groupby(["method", "mode"], sort=False):
         if mode == "static":
@@ -327,7 +331,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if not modes or not set(modes) <= set(MODES) or len(set(modes)) != len(modes):
         parser.error(f"--modes takes static, continuous or both, got {args.modes!r}")
     try:
-        static_batches = batch_range(args.static_batches, -(-args.items // args.batch))
+        static_batches = batch_range(args.static_batches, batch_count(args.items, args.batch))
     except ValueError as error:
         parser.error(str(error))
 
@@ -341,18 +345,19 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
                    compile_prefill=args.compile_prefill, overlap_admissions=args.overlap_admissions,
                    prompt=args.prompt, median=args.median, cap=args.cap,
                    at_cap=args.at_cap, seed=args.seed, mean_length=float(np.mean(lengths)), device=gpu)
-    rows, measured = [], []
+    rows = []
 
     def keep(row: dict) -> None:  # the CSV after every row: a run stopped by a time limit keeps what it measured
-        measured.append(row)
-        save_table(pd.DataFrame(measured), args.out, setting)
+        rows.append(row)
+        save_table(pd.DataFrame(rows), args.out, setting)
 
     for method in args.methods.split(","):
-        rows += bench_method(model, method, args.budget, prompts, lengths, args.batch, args.cap, refills[0], modes,
-                             args.compile_prefill, static_batches, keep, args.overlap_admissions)
+        bench_method(model, method, args.budget, prompts, lengths, args.batch, args.cap, refill_rows=refills[0],
+                     modes=modes, compile_prefill=args.compile_prefill, static_batches=static_batches, on_row=keep,
+                     overlap_admissions=args.overlap_admissions)
     heading = (f"{args.model} (random weights), {args.items} items, batch {args.batch}, prompt {args.prompt}, "
                f"output lengths log-normal (median {args.median}, {args.at_cap:.0%} at the cap {args.cap}), on {gpu}")
-    table = pd.DataFrame(rows)
+    table = pd.DataFrame(add_speedups(rows))
     write_table(table, args.out, heading, setting, decimals=2)
     return table
 
