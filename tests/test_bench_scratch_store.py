@@ -1,6 +1,7 @@
 """The scratch-store study's stand-alone attention loop (`evals.bench.scratch_store`; on the CPU through
 Triton's interpreter): whatever it stores and however it loads K and V, its output is the softmax
-attention over the valid slots, written out in PyTorch."""
+attention over the valid slots, written out in PyTorch; the folded score (store 6) is LongFlow's
+score of docs/methods.md, p_hj ||v_j||_1 summed over the heads, and its slot the score's rule."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def softmax_attention(q, k, v, valid):
     return torch.einsum("bhs,bhsd->bhd", weights, values)
 
 
-@pytest.mark.parametrize("store", [0, 1, 2, 3, 4, pytest.param(5, marks=pytest.mark.gpu)])  # 5: inline PTX
+@pytest.mark.parametrize("store", [0, 1, 2, 3, 4, pytest.param(5, marks=pytest.mark.gpu), 6])  # 5: inline PTX
 @pytest.mark.parametrize("tma", [False, True])
 def test_every_variant_computes_the_attention(store, tma):
     """Two rows, 2 KV heads of 4 query heads each, 200 slots (a last tile cut short), about 10% masked."""
@@ -40,3 +41,37 @@ def test_every_variant_computes_the_attention(store, tma):
         plain = pass_call(*inputs, block_n=64, tma=tma, stages=2, warps=4, store=1)
         plain()
         torch.testing.assert_close(call.scratch, plain.scratch, atol=0, rtol=0)
+
+
+def longflow_scores(q, k, v, valid):
+    """`[B, Hkv, S]` float64: sum over each KV head's query heads of p_hj ||v_j||_1 (0 on free slots)."""
+    batch, q_heads, _ = q.shape
+    kv_heads = k.shape[1]
+    keys = k.double().repeat_interleave(q_heads // kv_heads, dim=1)
+    logits = torch.einsum("bhd,bhsd->bhs", q.double(), keys) * q.shape[-1] ** -0.5
+    weights = torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    contributions = weights.view(batch, kv_heads, q_heads // kv_heads, -1).sum(dim=2)
+    return contributions * v.double().abs().sum(dim=-1)
+
+
+@pytest.mark.parametrize("free", [False, True], ids=["every_slot_valid", "free_slots"])
+def test_the_folded_score_is_longflows_and_picks_its_slot(free):
+    """Store 6's partials against p_hj ||v_j||_1 summed over each KV head's G query heads, and its slot:
+    the first free one when a row has one, else the lowest score over the row's KV heads."""
+    generator = torch.Generator().manual_seed(6)
+    q = torch.randn(3, 8, 64, generator=generator)
+    k, v = (torch.randn(3, 2, 200, 64, generator=generator) for _ in range(2))
+    valid = torch.ones(3, 200, dtype=torch.bool)
+    if free:
+        valid[1, 37] = valid[1, 150] = valid[2, :5] = False
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    inputs = [t.to(DEVICE, dtype) for t in (q, k, v)] + [valid.to(DEVICE)]
+    call = pass_call(*inputs, block_n=64, tma=False, stages=2, warps=4, store=6)
+    call()
+    expected = longflow_scores(*(t.float().cpu() for t in inputs[:3]), valid)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(call.partial.view(3, 2, 200).double().cpu(), expected, atol=tolerance, rtol=tolerance)
+    row_scores = expected.sum(dim=1)
+    slots = torch.where(~valid.any(dim=1, keepdim=True) | valid.all(dim=1, keepdim=True),
+                        row_scores.argmin(dim=1, keepdim=True), (~valid).int().argmax(dim=1, keepdim=True))[:, 0]
+    assert call.next_slot.cpu().tolist() == slots.tolist()

@@ -15,20 +15,45 @@ ahead) whose only switch is what it writes per tile besides the output (`STORE`)
      conversion to a coalescing layout through shared memory first (`tl.store` makes one, with a
      barrier, in every iteration: longflow/kernels/NOTES.md). On the H200 it is no faster than 1
      (results/engine/scratch_store.txt): the conversion is not what the store costs;
+  6: LongFlow's whole call with the score folded into the pass in its cheaper form: the scratch holds
+     logit + log2 ||v||_1 (`ones @ |v|^T`, as the kernel's), and after its loop each program reads
+     its own scratch back (just written, so from L2), scales it by the final softmax statistics and
+     sums its G heads into a `[B * Hkv, S]` partial; a second launch, one program per row, sums the
+     Hkv partials and takes the argmin (free slots first), reading 1/G of what the kernel's score
+     launch reads (longflow/kernels/NOTES.md, "The score folded into the attention pass");
 and whether K and V come through tensor descriptors (TMA) instead of pointer loads. Each variant is
 timed in CUDA graphs over input sets that overflow L2 (`evals.bench.attention`'s timing), next to
 cuDNN SDPA and `flash_decode` in the same process. Needs a CUDA GPU.
+
+    python -m evals.bench.scratch_store --fold   # store 6 against the fused call and cuDNN, in turns
 """
 
 from __future__ import annotations
 
-import torch
-import triton
-import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
+import argparse
+import os
 
-from evals.bench.attention import cache_sets, copy_bandwidth, floor_bytes, graph_ms, method_calls
-from longflow.kernels.longflow_attention import LOG2E
+import torch
+
+if not torch.cuda.is_available():
+    # The tests run these kernels through the interpreter, whose switch is read when a kernel is defined
+    # (longflow/kernels/reductions.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from evals.bench.attention import (  # noqa: E402
+    cache_sets,
+    copy_bandwidth,
+    floor_bytes,
+    graph_ms,
+    interleaved_ms,
+    method_calls,
+)
+from longflow.kernels.longflow_attention import LOG2E  # noqa: E402
+from longflow.kernels.reductions import reduce_max, reduce_min, reduce_sum  # noqa: E402
 
 # (slots per tile, TMA loads, pipeline stages, warps, store mode): the kernel's own setting first.
 VARIANTS = [(64, False, 4, 4, store) for store in range(5)] + [(64, True, 4, 4, 0), (64, True, 4, 4, 1),
@@ -47,7 +72,7 @@ def _store_in_place(addresses, values, mask):
 
 
 @triton.jit
-def _pass_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, slots, qk_scale,
+def _pass_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, PARTIAL, slots, qk_scale,
                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_N: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr, STORE: tl.constexpr):
     pid = tl.program_id(0)
@@ -90,15 +115,54 @@ def _pass_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, slots, qk_scale,
             tl.store(by_head, s.to(tl.float16), mask=t_mask)
         elif STORE == 5:
             _store_in_place(by_head.to(tl.int64), s, t_mask)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        elif STORE == 6:
+            ones = tl.full([GROUP_PAD, HEAD_DIM], 1.0, v.dtype)
+            log_vnorm = tl.log2(tl.maximum(tl.dot(ones, tl.trans(tl.abs(v))), 1e-30))  # rows equal
+            tl.store(by_head, s + log_vnorm, mask=t_mask, eviction_policy="evict_last")
+        m_new = tl.maximum(m_i, reduce_max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + reduce_sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(OUT + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=g_ok[:, None])
+    if STORE == 6:
+        # The program's own scratch, stored by its threads above: the barrier makes their global
+        # stores visible to the whole program (as `compact_in_place` relies on), `.cg` reads at L2.
+        tl.debug_barrier()
+        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+        inv_l = tl.where(g_ok & (l_i > 0), 1.0 / l_i, 0.0)
+        for start in tl.range(0, slots, BLOCK_N):
+            cols = start + offs_n
+            t = tl.load(SCRATCH + rows.to(tl.int64)[:, None] * slots + cols[None, :],
+                        mask=g_ok[:, None] & (cols < slots)[None, :], other=float("-inf"), cache_modifier=".cg")
+            partial = reduce_sum(tl.exp2(t - m_use[:, None]) * inv_l[:, None], 0)  # p_hj ||v_j||_1 over G
+            tl.store(PARTIAL + head * slots + cols, partial, mask=cols < slots)
+
+
+@triton.jit
+def _row_argmin_kernel(PARTIAL, VALID, NEXT_SLOT, slots, KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One program per row: the LongFlow score of every slot (the sum of the row's Hkv partials),
+    and the slot to overwrite, the first free one if any, else the lowest score (earliest on ties)."""
+    b = tl.program_id(0)
+    offs_h = tl.arange(0, KV_HEADS)
+    offs_n = tl.arange(0, BLOCK_N)
+    best_key = tl.full([BLOCK_N], float("inf"), tl.float32)
+    best_idx = tl.full([BLOCK_N], 2147483647, tl.int32)
+    for start in tl.range(0, slots, BLOCK_N):
+        cols = start + offs_n
+        s_ok = cols < slots
+        rows = (b * KV_HEADS + offs_h).to(tl.int64)
+        score = reduce_sum(tl.load(PARTIAL + rows[:, None] * slots + cols[None, :], mask=s_ok[None, :], other=0.0), 0)
+        ok = tl.load(VALID + b.to(tl.int64) * slots + cols, mask=s_ok, other=0) != 0
+        key = tl.where(s_ok, tl.where(ok, score, -1.0), float("inf"))
+        better = key < best_key
+        best_key = tl.where(better, key, best_key)
+        best_idx = tl.where(better, cols, best_idx)
+    key_min = reduce_min(best_key, 0)
+    tl.store(NEXT_SLOT + b, reduce_min(tl.where(best_key == key_min, best_idx, 2147483647), 0).to(tl.int64))
 
 
 def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, store: int):
@@ -110,47 +174,93 @@ def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, 
     out = torch.empty_like(q)
     scratch = torch.empty(batch * q_heads * slots, dtype=torch.float16 if store == 4 else torch.float32,
                           device=q.device)
+    partial = torch.empty(batch * kv_heads * slots if store == 6 else 1, dtype=torch.float32, device=q.device)
+    next_slot = torch.empty(batch, dtype=torch.int64, device=q.device)
     k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
     v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
 
     def run():
         _pass_kernel[(batch * kv_heads,)](
-            q, k, v, k_desc, v_desc, valid, out, scratch, slots, head_dim**-0.5 * LOG2E, KV_HEADS=kv_heads,
-            GROUP=q_heads // kv_heads, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_N=block_n, TMA=tma, STAGES=stages,
-            STORE=store, num_warps=warps, num_stages=stages)
+            q, k, v, k_desc, v_desc, valid, out, scratch, partial, slots, head_dim**-0.5 * LOG2E,
+            KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_N=block_n,
+            TMA=tma, STAGES=stages, STORE=store, num_warps=warps, num_stages=stages)
+        if store == 6:
+            _row_argmin_kernel[(batch,)](partial, valid, next_slot, slots, KV_HEADS=kv_heads, BLOCK_N=256)
         return out
-    run.scratch = scratch
+    run.scratch, run.partial, run.next_slot = scratch, partial, next_slot
     return run
 
 
-def main() -> None:
+# Store 6's settings: the kernel's tile and stages at one split, and 3 stages for two programs an SM.
+FOLD_VARIANTS = [(64, 4), (64, 3)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fold", action="store_true", help="store 6 against the fused call and cuDNN only")
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--slots", type=int, nargs="+", default=[3200, 8192])
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s")
-    for batch in (64, 128):
-        for slots in (3200, 8192):
+    for batch in args.batches:
+        for slots in args.slots:
             sets = cache_sets(batch, slots, device)
             floor = floor_bytes(batch, slots) / bandwidth * 1e3
-            cudnn = graph_ms([method_calls("sdpa_cudnn", *s)[0] for s in sets])
-            plain = graph_ms([method_calls("flash_decode", *s)[0] for s in sets])
-            print(f"batch {batch}, {slots} slots: floor {floor:.4f} ms, cuDNN {cudnn:.4f} ms, "
-                  f"flash_decode {plain:.4f} ms ({plain / cudnn:.3f}x cuDNN)", flush=True)
-            want = method_calls("flash_decode", *sets[0])[0]().float()
-            plain_scratch = {}  # tile -> the first set's scratch by `tl.store` (store 1), which store 5 must match
-            for block_n, tma, stages, warps, store in VARIANTS:
-                calls = [pass_call(*s, block_n, tma, stages, warps, store) for s in sets]
-                ms = graph_ms(calls)
-                error = (calls[0]().float() - want).abs().max().item()
-                if store == 1:
-                    plain_scratch[block_n] = calls[0].scratch
-                elif store == 5:
-                    written = plain_scratch[block_n].isfinite()
-                    error = max(error, (calls[0].scratch[written] - plain_scratch[block_n][written]).abs().max().item())
-                print(f"  tile {block_n:>3}, TMA {tma!s:>5}, {stages} stages, {warps} warps, store {store}: "
-                      f"{ms:.4f} ms, {ms / cudnn:.3f}x cuDNN, {ms / floor:.3f}x floor (max error {error:.1e})",
-                      flush=True)
-            del sets, plain_scratch
+            if args.fold:
+                fold_point(sets, batch, slots, floor)
+            else:
+                store_point(sets, batch, slots, floor)
+            del sets
             torch.cuda.empty_cache()
+
+
+def fold_point(sets, batch: int, slots: int, floor: float) -> None:
+    """Store 6 (pass, in-program partials, row argmin) against cuDNN and the fused call, timed in turns;
+    its chosen slots against the fused call's on the first set with every slot valid."""
+    methods = {"cuDNN": [method_calls("sdpa_cudnn", *s)[0] for s in sets],
+               "fused": [method_calls("longflow_fused", *s)[0] for s in sets]}
+    for block_n, stages in FOLD_VARIANTS:
+        methods[f"fold {block_n}/{stages}"] = [pass_call(*s, block_n, False, stages, 4, 6) for s in sets]
+    ms = interleaved_ms(methods)
+    q, k, v, valid = sets[0]
+    full = torch.ones_like(valid)
+    _, want = method_calls("longflow_fused", q, k, v, full)[0]()
+    line = f"batch {batch}, {slots} slots: floor {floor:.4f} ms, cuDNN {ms['cuDNN']:.4f} ms"
+    for name, value in ms.items():
+        if name == "cuDNN":
+            continue
+        agree = ""
+        if name.startswith("fold"):
+            block_n, stages = map(int, name.split()[1].split("/"))
+            call = pass_call(q, k, v, full, block_n, False, stages, 4, 6)
+            call()
+            agree = f", slots as the fused call's: {(call.next_slot == want).float().mean().item():.3f}"
+        line += f"\n  {name}: {value:.4f} ms, {value / ms['cuDNN']:.3f}x cuDNN{agree}"
+    print(line, flush=True)
+
+
+def store_point(sets, batch: int, slots: int, floor: float) -> None:
+    """Every store variant's pass, timed after cuDNN and `flash_decode` in the same process."""
+    cudnn = graph_ms([method_calls("sdpa_cudnn", *s)[0] for s in sets])
+    plain = graph_ms([method_calls("flash_decode", *s)[0] for s in sets])
+    print(f"batch {batch}, {slots} slots: floor {floor:.4f} ms, cuDNN {cudnn:.4f} ms, "
+          f"flash_decode {plain:.4f} ms ({plain / cudnn:.3f}x cuDNN)", flush=True)
+    want = method_calls("flash_decode", *sets[0])[0]().float()
+    plain_scratch = {}  # tile -> the first set's scratch by `tl.store` (store 1), which store 5 must match
+    for block_n, tma, stages, warps, store in VARIANTS:
+        calls = [pass_call(*s, block_n, tma, stages, warps, store) for s in sets]
+        ms = graph_ms(calls)
+        error = (calls[0]().float() - want).abs().max().item()
+        if store == 1:
+            plain_scratch[block_n] = calls[0].scratch
+        elif store == 5:
+            written = plain_scratch[block_n].isfinite()
+            error = max(error, (calls[0].scratch[written] - plain_scratch[block_n][written]).abs().max().item())
+        print(f"  tile {block_n:>3}, TMA {tma!s:>5}, {stages} stages, {warps} warps, store {store}: "
+              f"{ms:.4f} ms, {ms / cudnn:.3f}x cuDNN, {ms / floor:.3f}x floor (max error {error:.1e})",
+              flush=True)
 
 
 if __name__ == "__main__":
