@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from evals.bench.scratch_store import pass_call
+from longflow.kernels.reference import longflow_scores, reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -43,21 +44,10 @@ def test_every_variant_computes_the_attention(store, tma):
         torch.testing.assert_close(call.scratch, plain.scratch, atol=0, rtol=0)
 
 
-def longflow_scores(q, k, v, valid):
-    """`[B, Hkv, S]` float64: sum over each KV head's query heads of p_hj ||v_j||_1 (0 on free slots)."""
-    batch, q_heads, _ = q.shape
-    kv_heads = k.shape[1]
-    keys = k.double().repeat_interleave(q_heads // kv_heads, dim=1)
-    logits = torch.einsum("bhd,bhsd->bhs", q.double(), keys) * q.shape[-1] ** -0.5
-    weights = torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
-    contributions = weights.view(batch, kv_heads, q_heads // kv_heads, -1).sum(dim=2)
-    return contributions * v.double().abs().sum(dim=-1)
-
-
 @pytest.mark.parametrize("free", [False, True], ids=["every_slot_valid", "free_slots"])
 def test_the_folded_score_is_longflows_and_picks_its_slot(free):
-    """Store 6's partials against p_hj ||v_j||_1 summed over each KV head's G query heads, and its slot:
-    the first free one when a row has one, else the lowest score over the row's KV heads."""
+    """Store 6's partials against the plain PyTorch LongFlow score of each KV head's G query heads, and
+    its slot against that reference's (`choose_next`: the first free one, else the lowest score)."""
     generator = torch.Generator().manual_seed(6)
     q = torch.randn(3, 8, 64, generator=generator)
     k, v = (torch.randn(3, 2, 200, 64, generator=generator) for _ in range(2))
@@ -68,10 +58,13 @@ def test_the_folded_score_is_longflows_and_picks_its_slot(free):
     inputs = [t.to(DEVICE, dtype) for t in (q, k, v)] + [valid.to(DEVICE)]
     call = pass_call(*inputs, block_n=64, tma=False, stages=2, warps=4, store=6)
     call()
-    expected = longflow_scores(*(t.float().cpu() for t in inputs[:3]), valid)
+    q, k, v = (t.float().cpu() for t in inputs[:3])
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(call.partial.view(3, 2, 200).double().cpu(), expected, atol=tolerance, rtol=tolerance)
-    row_scores = expected.sum(dim=1)
-    slots = torch.where(~valid.any(dim=1, keepdim=True) | valid.all(dim=1, keepdim=True),
-                        row_scores.argmin(dim=1, keepdim=True), (~valid).int().argmax(dim=1, keepdim=True))[:, 0]
-    assert call.next_slot.cpu().tolist() == slots.tolist()
+    # Each KV head alone through the plain PyTorch LongFlow (whose score is the mean over its heads
+    # and dimensions), so that the partial is that head's sum over its G query heads.
+    group, head_dim = q.shape[1] // k.shape[1], q.shape[-1]
+    expected = torch.stack([
+        longflow_scores(q[:, h * group:(h + 1) * group], k[:, h:h + 1], v[:, h:h + 1], valid)[1] * group * head_dim
+        for h in range(k.shape[1])], dim=1)  # [B, Hkv, S]
+    torch.testing.assert_close(call.partial.view(3, 2, 200).cpu(), expected, atol=tolerance, rtol=tolerance)
+    assert call.next_slot.cpu().tolist() == reference(q, k, v, valid)[1].tolist()

@@ -89,6 +89,7 @@ def _pass_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, PARTIAL, slots, q
     acc = tl.full([GROUP_PAD, HEAD_DIM], 0.0, tl.float32)
     valid_row = VALID + b.to(tl.int64) * slots
     head = b.to(tl.int64) * KV_HEADS + kv_head
+    scratch_rows = SCRATCH + rows.to(tl.int64)[:, None] * slots  # this program's G rows of the scratch
     ok_next = tl.load(valid_row + offs_n, mask=offs_n < slots, other=0)
     for start in tl.range(0, slots, BLOCK_N, num_stages=STAGES):
         cols = start + offs_n
@@ -104,7 +105,7 @@ def _pass_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, PARTIAL, slots, q
             v = tl.load(V + kv, mask=s_ok[:, None], other=0.0, eviction_policy="evict_first")
         s = tl.where(ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))  # [GROUP_PAD, BLOCK_N]
         t_mask = g_ok[:, None] & s_ok[None, :]
-        by_head = SCRATCH + rows.to(tl.int64)[:, None] * slots + cols[None, :]
+        by_head = scratch_rows + cols[None, :]
         if STORE == 1:
             tl.store(by_head, s, mask=t_mask)
         elif STORE == 2:
@@ -136,8 +137,8 @@ def _pass_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, PARTIAL, slots, q
         inv_l = tl.where(g_ok & (l_i > 0), 1.0 / l_i, 0.0)
         for start in tl.range(0, slots, BLOCK_N):
             cols = start + offs_n
-            t = tl.load(SCRATCH + rows.to(tl.int64)[:, None] * slots + cols[None, :],
-                        mask=g_ok[:, None] & (cols < slots)[None, :], other=float("-inf"), cache_modifier=".cg")
+            t = tl.load(scratch_rows + cols[None, :], mask=g_ok[:, None] & (cols < slots)[None, :],
+                        other=float("-inf"), cache_modifier=".cg")
             partial = reduce_sum(tl.exp2(t - m_use[:, None]) * inv_l[:, None], 0)  # p_hj ||v_j||_1 over G
             tl.store(PARTIAL + head * slots + cols, partial, mask=cols < slots)
 
@@ -145,17 +146,18 @@ def _pass_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, PARTIAL, slots, q
 @triton.jit
 def _row_argmin_kernel(PARTIAL, VALID, NEXT_SLOT, slots, KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per row: the LongFlow score of every slot (the sum of the row's Hkv partials),
-    and the slot to overwrite, the first free one if any, else the lowest score (earliest on ties)."""
+    and the slot to overwrite, the first free one if any, else the lowest score (earliest on ties):
+    `longflow.selection.choose_next`'s rule, as the kernel's score pass keys it (free -1, out of
+    range +inf); the kernel's own pass cannot serve, its reads are of the `[B * Hq, S]` scratch."""
     b = tl.program_id(0)
-    offs_h = tl.arange(0, KV_HEADS)
+    partial_rows = PARTIAL + (b * KV_HEADS + tl.arange(0, KV_HEADS)).to(tl.int64)[:, None] * slots
     offs_n = tl.arange(0, BLOCK_N)
     best_key = tl.full([BLOCK_N], float("inf"), tl.float32)
     best_idx = tl.full([BLOCK_N], 2147483647, tl.int32)
     for start in tl.range(0, slots, BLOCK_N):
         cols = start + offs_n
         s_ok = cols < slots
-        rows = (b * KV_HEADS + offs_h).to(tl.int64)
-        score = reduce_sum(tl.load(PARTIAL + rows[:, None] * slots + cols[None, :], mask=s_ok[None, :], other=0.0), 0)
+        score = reduce_sum(tl.load(partial_rows + cols[None, :], mask=s_ok[None, :], other=0.0), 0)
         ok = tl.load(VALID + b.to(tl.int64) * slots + cols, mask=s_ok, other=0) != 0
         key = tl.where(s_ok, tl.where(ok, score, -1.0), float("inf"))
         better = key < best_key
@@ -221,8 +223,9 @@ def fold_point(sets, batch: int, slots: int, floor: float) -> None:
     its chosen slots against the fused call's on the first set with every slot valid."""
     methods = {"cuDNN": [method_calls("sdpa_cudnn", *s)[0] for s in sets],
                "fused": [method_calls("longflow_fused", *s)[0] for s in sets]}
-    for block_n, stages in FOLD_VARIANTS:
-        methods[f"fold {block_n}/{stages}"] = [pass_call(*s, block_n, False, stages, 4, 6) for s in sets]
+    folds = {f"fold {block_n}/{stages}": (block_n, stages) for block_n, stages in FOLD_VARIANTS}
+    for name, (block_n, stages) in folds.items():
+        methods[name] = [pass_call(*s, block_n, False, stages, 4, 6) for s in sets]
     ms = interleaved_ms(methods)
     q, k, v, valid = sets[0]
     full = torch.ones_like(valid)
@@ -232,8 +235,8 @@ def fold_point(sets, batch: int, slots: int, floor: float) -> None:
         if name == "cuDNN":
             continue
         agree = ""
-        if name.startswith("fold"):
-            block_n, stages = map(int, name.split()[1].split("/"))
+        if name in folds:
+            block_n, stages = folds[name]
             call = pass_call(q, k, v, full, block_n, False, stages, 4, 6)
             call()
             agree = f", slots as the fused call's: {(call.next_slot == want).float().mean().item():.3f}"
