@@ -9,13 +9,17 @@ setting: the kernels of one step by category (count, summed time, share) next to
 time (the median of the 16 unprofiled replays just before), then the costliest kernels. At step 500 of
 prompt 512 the full cache holds 1012 slots, about its mean over 1024 new tokens. Categories come
 from the kernel names: cuBLAS matmuls, the policies' Triton attention kernels, the slot write,
-Inductor's fused kernels, and PyTorch's own elementwise, reduction, indexing and copy kernels.
+Inductor's matmul templates (max-autotune's) and fused kernels, and PyTorch's own elementwise, reduction, indexing and copy kernels.
+`--options` compiles with other `torch.compile` options than the engine's (as
+`evals.bench.compile_options` times them), to see where such a setting moves the time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import json
 from collections import defaultdict
 
 import numpy as np
@@ -24,6 +28,7 @@ import torch
 from torch.autograd import DeviceType
 
 from evals.bench.common import COMPILE_SETTINGS, compile_settings, method_policy, random_prompts
+from evals.bench.compile_options import inductor_options
 from evals.configs import model_spec
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine
@@ -33,6 +38,7 @@ from longflow.models import load_model, resolve_device
 CATEGORIES = (
     ("policy attention (Triton)", ("_partial_kernel", "_score_kernel", "_combine_kernel")),
     ("slot write (Triton)", ("_write_kernel",)),
+    ("matmul (Inductor template)", ("triton_tem_",)),
     ("Inductor fused (Triton)", ("triton_",)),
     ("matmul (cuBLAS)", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
     ("indexing, scatter, gather", ("index", "scatter", "gather")),
@@ -69,9 +75,19 @@ def profiled_policy(policy, first: int, count: int, profiler):
     return profiled
 
 
-def profile(model, method: str, budget: int, prompts, first: int, count: int, compile_step: str):
+def profile(model, method: str, budget: int, prompts, first: int, count: int, compile_step: str,
+            options: dict | None = None):
     """(kernel times `{name: [us per call]}` over the profiled steps, median wall ms of the 16 replays
-    before: vanilla's step grows with the filled slots, so only the nearest steps compare)."""
+    before: vanilla's step grows with the filled slots, so only the nearest steps compare). `options`:
+    `torch.compile` options in place of the engine's, compiled afresh."""
+    if options is not None:
+        torch._dynamo.reset()
+        model.longflow_compiled_forwards = {}
+    with inductor_options(options) if options is not None else contextlib.nullcontext():
+        return _profile(model, method, budget, prompts, first, count, compile_step)
+
+
+def _profile(model, method: str, budget: int, prompts, first: int, count: int, compile_step: str):
     policy = method_policy(method, budget)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
     engine = Engine(model, lambda: profiled_policy(policy, first, count, profiler), eos_ids=[], pad_id=0,
@@ -100,9 +116,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="profiled steps, averaged")
     parser.add_argument("--compile", default="off,on",
                         help="off, on, tuned, untuned (as evals.bench.decode), or several as off,on")
+    parser.add_argument("--options", type=json.loads, default=None,
+                        help="torch.compile options as a JSON object, in place of the engine's")
     parser.add_argument("--top", type=int, default=12, help="costliest kernels listed")
     parser.add_argument("--out", default="results/profile_decode.csv")
     args = parser.parse_args()
+    if args.options is not None and (not isinstance(args.options, dict) or "off" in args.compile.split(",")):
+        parser.error("--options takes a JSON object, and applies to compiled settings only (not --compile off)")
     if args.step < 3:
         parser.error("--step must be at least 3: steps 0 and 1 run eagerly and the wall time needs replays before it")
     try:
@@ -118,18 +138,20 @@ def main() -> None:
     rows = []
     for setting in settings:
         for method in args.methods.split(","):
-            kernels, wall_ms = profile(model, method, args.budget, prompts, args.step, args.steps, setting)
+            kernels, wall_ms = profile(model, method, args.budget, prompts, args.step, args.steps, setting,
+                                       args.options)
             by_category = defaultdict(lambda: [0, 0.0])
             for name, times in kernels.items():
                 by_category[category(name)][0] += len(times) / args.steps
                 by_category[category(name)][1] += sum(times) / args.steps / 1e3
             kernel_ms = sum(ms for _, ms in by_category.values())
-            print(f"\n{method}, compile {setting}: step {wall_ms:.2f} ms (replay wall time), kernels "
+            shown = setting if args.options is None else f"{setting} with options {json.dumps(args.options)}"
+            print(f"\n{method}, compile {shown}: step {wall_ms:.2f} ms (replay wall time), kernels "
                   f"{kernel_ms:.2f} ms in {sum(n for n, _ in by_category.values()):.0f} launches")
             for label, (count, ms) in sorted(by_category.items(), key=lambda item: -item[1][1]):
                 print(f"  {label:32s} {count:6.0f} kernels {ms:7.3f} ms  {ms / wall_ms:6.1%} of the step")
-                rows.append(dict(method=method, compile=setting, category=label, kernels_per_step=count,
-                                 ms_per_step=ms, step_ms=wall_ms))
+                rows.append(dict(method=method, compile=setting, options=json.dumps(args.options), category=label,
+                                 kernels_per_step=count, ms_per_step=ms, step_ms=wall_ms))
             top = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:args.top]
             for name, times in top:
                 print(f"    {sum(times) / args.steps / 1e3:7.3f} ms  {len(times) / args.steps:5.0f}x  {name[:110]}")
