@@ -1,7 +1,10 @@
 """`evals.bench.compile_options.inductor_options`: the `torch.compile` that `longflow.compile` calls gets
-the benchmark's options instead of the engine's, and only inside the block."""
+the benchmark's options instead of the engine's, and only inside the block, which compiles into a cache
+directory of its own (a warm cache can hand back an earlier setting's kernels)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -11,9 +14,13 @@ from evals.bench.compile_options import inductor_options
 
 def test_options_replace_the_engines_inside_the_block_only(monkeypatch):
     calls = []
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: calls.append(kwargs))
     with inductor_options({"max_autotune": True}):
         longflow.compile.torch.compile(print, fullgraph=True, options={"coordinate_descent_tuning": True})
+        inside = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        assert inside != cache and os.path.isdir(inside)
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == cache and not os.path.exists(inside)
     longflow.compile.torch.compile(print, options=None)
     assert calls == [{"fullgraph": True, "options": {"max_autotune": True}}, {"options": None}]
     assert longflow.compile.torch.compile is torch.compile

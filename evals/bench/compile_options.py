@@ -23,13 +23,16 @@ import json
 
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache
 
 import longflow.compile
 
 
 @contextlib.contextmanager
 def inductor_options(options: dict):
-    """`torch.compile` as `longflow.compile` calls it, with `options` instead of its own."""
+    """`torch.compile` as `longflow.compile` calls it, with `options` instead of its own, compiling into a
+    fresh cache directory: on the H200 (torch 2.11) a warm cache gave `prologue_fusion` and
+    `epilogue_fusion` the kernels an earlier setting had compiled (docs/engine.md)."""
     compile_ = torch.compile
 
     def with_options(*args, **kwargs):
@@ -37,7 +40,8 @@ def inductor_options(options: dict):
 
     longflow.compile.torch.compile = with_options
     try:
-        yield
+        with fresh_cache():
+            yield
     finally:
         longflow.compile.torch.compile = compile_
 

@@ -9,9 +9,9 @@ setting: the kernels of one step by category (count, summed time, share) next to
 time (the median of the 16 unprofiled replays just before), then the costliest kernels. At step 500 of
 prompt 512 the full cache holds 1012 slots, about its mean over 1024 new tokens. Categories come
 from the kernel names: cuBLAS matmuls, the policies' Triton attention kernels, the slot write,
-Inductor's matmul templates (max-autotune's) and fused kernels, and PyTorch's own elementwise, reduction, indexing and copy kernels.
-`--options` compiles with other `torch.compile` options than the engine's (as
-`evals.bench.compile_options` times them), to see where such a setting moves the time.
+Inductor's matmul templates (max-autotune's) and fused kernels, and PyTorch's own elementwise,
+reduction, indexing and copy kernels. `--options` compiles with other `torch.compile` options than
+the engine's (as `evals.bench.compile_options` times them), to see where such a setting moves the time.
 """
 
 from __future__ import annotations
