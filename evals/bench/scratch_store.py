@@ -20,7 +20,9 @@ ahead) whose only switch is what it writes per tile besides the output (`STORE`)
      its own scratch back (just written, so from L2), scales it by the final softmax statistics and
      sums its G heads into a `[B * Hkv, S]` partial; a second launch, one program per row, sums the
      Hkv partials and takes the argmin (free slots first), reading 1/G of what the kernel's score
-     launch reads (longflow/kernels/NOTES.md, "The score folded into the attention pass");
+     launch reads (longflow/kernels/NOTES.md, "The cheaper fold"). On the
+     H200 it is 1.53-2.00x cuDNN where the fused call is 1.13-1.15x
+     (results/engine/scratch_store_fold.txt): the epilogue after the loop is not hidden;
 and whether K and V come through tensor descriptors (TMA) instead of pointer loads. Each variant is
 timed in CUDA graphs over input sets that overflow L2 (`evals.bench.attention`'s timing), next to
 cuDNN SDPA and `flash_decode` in the same process. Needs a CUDA GPU.
