@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from evals.bench.scratch_store import pass_call
+from longflow.kernels.longflow_attention import LOG2E
 from longflow.kernels.reference import longflow_scores, reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -23,7 +24,7 @@ def softmax_attention(q, k, v, valid):
     return torch.einsum("bhs,bhsd->bhd", weights, values)
 
 
-@pytest.mark.parametrize("store", [0, 1, 2, 3, 4, pytest.param(5, marks=pytest.mark.gpu), 6])  # 5: inline PTX
+@pytest.mark.parametrize("store", [0, 1, 2, 3, 4, pytest.param(5, marks=pytest.mark.gpu), 6, 7])  # 5: inline PTX
 @pytest.mark.parametrize("tma", [False, True])
 def test_every_variant_computes_the_attention(store, tma):
     """Two rows, 2 KV heads of 4 query heads each, 200 slots (a last tile cut short), about 10% masked."""
@@ -38,6 +39,12 @@ def test_every_variant_computes_the_attention(store, tma):
     expected = softmax_attention(*(t.float().cpu() for t in inputs[:3]), valid)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(out.double().cpu(), expected, atol=tolerance, rtol=tolerance)
+    if store == 7:  # the bulk stores: every head's logits (log2 units) and -inf on masked slots, nothing more
+        group = q.shape[1] // k.shape[1]
+        keys = inputs[1].double().cpu().repeat_interleave(group, dim=1)
+        logits = torch.einsum("bhd,bhsd->bhs", inputs[0].double().cpu(), keys) * 128**-0.5 * LOG2E
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        torch.testing.assert_close(call.scratch.view(2, 8, 200).double().cpu(), logits, atol=tolerance, rtol=tolerance)
     if store == 5:  # the inline stores write what `tl.store` writes
         plain = pass_call(*inputs, block_n=64, tma=tma, stages=2, warps=4, store=1)
         plain()

@@ -23,11 +23,15 @@ ahead) whose only switch is what it writes per tile besides the output (`STORE`)
      launch reads (longflow/kernels/NOTES.md, "The cheaper fold"). On the
      H200 it is 1.53-2.00x cuDNN where the fused call is 1.13-1.15x
      (results/engine/scratch_store_fold.txt): the epilogue after the loop is not hidden;
+  7: as 1, through a tensor descriptor: one bulk (TMA) store of the tile from shared memory, issued
+     asynchronously, where `tl.store` has every thread store its elements; the descriptor's
+     `[B * Hkv, G, S]` bounds clip the padding heads and the slots past the last;
 and whether K and V come through tensor descriptors (TMA) instead of pointer loads. Each variant is
 timed in CUDA graphs over input sets that overflow L2 (`evals.bench.attention`'s timing), next to
 cuDNN SDPA and `flash_decode` in the same process. Needs a CUDA GPU.
 
     python -m evals.bench.scratch_store --fold   # store 6 against the fused call and cuDNN, in turns
+    python -m evals.bench.scratch_store --stores 0 1 7   # only these store modes' variants
 """
 
 from __future__ import annotations
@@ -57,10 +61,12 @@ from evals.bench.attention import (  # noqa: E402
 from longflow.kernels.longflow_attention import LOG2E  # noqa: E402
 from longflow.kernels.reductions import reduce_max, reduce_min, reduce_sum  # noqa: E402
 
+GROUP_PAD = 16  # a KV head's query heads, padded to the rows of a tensor-core tile
 # (slots per tile, TMA loads, pipeline stages, warps, store mode): the kernel's own setting first.
 VARIANTS = [(64, False, 4, 4, store) for store in range(5)] + [(64, True, 4, 4, 0), (64, True, 4, 4, 1),
                                                                 (128, False, 3, 4, 1), (128, False, 3, 4, 3),
-                                                                (64, False, 4, 4, 5), (128, False, 3, 4, 5)]
+                                                                (64, False, 4, 4, 5), (128, False, 3, 4, 5),
+                                                                (64, False, 4, 4, 7), (64, True, 4, 4, 7)]
 
 
 @triton.jit
@@ -74,7 +80,7 @@ def _store_in_place(addresses, values, mask):
 
 
 @triton.jit
-def _pass_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, PARTIAL, slots, qk_scale,
+def _pass_kernel(Q, K, V, K_DESC, V_DESC, SCRATCH_DESC, VALID, OUT, SCRATCH, PARTIAL, slots, qk_scale,
                  KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_N: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr, STORE: tl.constexpr):
     pid = tl.program_id(0)
@@ -118,6 +124,10 @@ def _pass_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, PARTIAL, slots, q
             tl.store(by_head, s.to(tl.float16), mask=t_mask)
         elif STORE == 5:
             _store_in_place(by_head.to(tl.int64), s, t_mask)
+        elif STORE == 7:
+            # The padding heads (G to GROUP_PAD) and the slots past the last fall outside the
+            # descriptor's [B * Hkv, G, S] bounds, which the bulk store clips.
+            SCRATCH_DESC.store([head.to(tl.int32), 0, start], s.reshape(1, GROUP_PAD, BLOCK_N))
         elif STORE == 6:
             ones = tl.full([GROUP_PAD, HEAD_DIM], 1.0, v.dtype)
             log_vnorm = tl.log2(tl.maximum(tl.dot(ones, tl.trans(tl.abs(v))), 1e-30))  # rows equal
@@ -181,12 +191,14 @@ def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, 
     partial = torch.empty(batch * kv_heads * slots if store == 6 else 1, dtype=torch.float32, device=q.device)
     next_slot = torch.empty(batch, dtype=torch.int64, device=q.device)
     k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
+    scratch_desc = TensorDescriptor.from_tensor(scratch.view(batch * kv_heads, q_heads // kv_heads, slots),
+                                                [1, GROUP_PAD, block_n]) if store == 7 else k_desc
     v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
 
     def run():
         _pass_kernel[(batch * kv_heads,)](
-            q, k, v, k_desc, v_desc, valid, out, scratch, partial, slots, head_dim**-0.5 * LOG2E,
-            KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_N=block_n,
+            q, k, v, k_desc, v_desc, scratch_desc, valid, out, scratch, partial, slots, head_dim**-0.5 * LOG2E,
+            KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=GROUP_PAD, HEAD_DIM=head_dim, BLOCK_N=block_n,
             TMA=tma, STAGES=stages, STORE=store, num_warps=warps, num_stages=stages)
         if store == 6:
             _row_argmin_kernel[(batch,)](partial, valid, next_slot, slots, KV_HEADS=kv_heads, BLOCK_N=256)
@@ -204,7 +216,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fold", action="store_true", help="store 6 against the fused call and cuDNN only")
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--slots", type=int, nargs="+", default=[3200, 8192])
+    parser.add_argument("--stores", type=int, nargs="+", default=sorted({v[-1] for v in VARIANTS}),
+                        help="the store modes whose variants are timed (without --fold)")
     args = parser.parse_args(argv)
+    unknown = set(args.stores) - {variant[-1] for variant in VARIANTS}
+    if unknown:
+        parser.error(f"--stores: no variant stores {sorted(unknown)}")
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s")
@@ -215,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.fold:
                 fold_point(sets, batch, slots, floor)
             else:
-                store_point(sets, batch, slots, floor)
+                store_point(sets, batch, slots, floor, [v for v in VARIANTS if v[-1] in args.stores])
             del sets
             torch.cuda.empty_cache()
 
@@ -246,21 +263,22 @@ def fold_point(sets, batch: int, slots: int, floor: float) -> None:
     print(line, flush=True)
 
 
-def store_point(sets, batch: int, slots: int, floor: float) -> None:
-    """Every store variant's pass, timed after cuDNN and `flash_decode` in the same process."""
+def store_point(sets, batch: int, slots: int, floor: float, variants: list[tuple]) -> None:
+    """The `variants`' passes (of `VARIANTS`), timed after cuDNN and `flash_decode` in the same process;
+    stores 5 and 7 checked against store 1's scratch where a store 1 variant of their tile ran first."""
     cudnn = graph_ms([method_calls("sdpa_cudnn", *s)[0] for s in sets])
     plain = graph_ms([method_calls("flash_decode", *s)[0] for s in sets])
     print(f"batch {batch}, {slots} slots: floor {floor:.4f} ms, cuDNN {cudnn:.4f} ms, "
           f"flash_decode {plain:.4f} ms ({plain / cudnn:.3f}x cuDNN)", flush=True)
     want = method_calls("flash_decode", *sets[0])[0]().float()
     plain_scratch = {}  # tile -> the first set's scratch by `tl.store` (store 1), which store 5 must match
-    for block_n, tma, stages, warps, store in VARIANTS:
+    for block_n, tma, stages, warps, store in variants:
         calls = [pass_call(*s, block_n, tma, stages, warps, store) for s in sets]
         ms = graph_ms(calls)
         error = (calls[0]().float() - want).abs().max().item()
         if store == 1:
             plain_scratch[block_n] = calls[0].scratch
-        elif store == 5:
+        elif store in (5, 7) and block_n in plain_scratch:
             written = plain_scratch[block_n].isfinite()
             error = max(error, (calls[0].scratch[written] - plain_scratch[block_n][written]).abs().max().item())
         print(f"  tile {block_n:>3}, TMA {tma!s:>5}, {stages} stages, {warps} warps, store {store}: "
