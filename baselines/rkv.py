@@ -102,6 +102,32 @@ def blocked_newest_duplicates(unit: torch.Tensor, threshold: float) -> tuple[tor
     return slots - 1 - index.flip(-1), similarity.flip(-1)
 
 
+def window_importance(queries: torch.Tensor, query_valid: torch.Tensor, keys: torch.Tensor, older: torch.Tensor,
+                      scale: float, half: bool) -> torch.Tensor:
+    """R-KV's importance before its max-pool, `[B, Hkv, S]` float32, -inf where not `older`: the mean
+    over the valid window queries of the softmax, over the older keys, of each KV head's logits, which
+    are the max over its G query heads (official compute_attention_scores).
+
+    queries `[B, Hq, W, D]`, query_valid `[B, W]`, keys `[B, Hkv, S, D]` (float32 unless `half`: the
+    16-bit GPU path's keys as stored), older `[B, Hkv, S]` bool: the keys the window scores."""
+    batch, q_heads, window, head_dim = queries.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    inf = float("inf")
+    # The G query heads' windows as one [G * W, D] block per KV head: one product with the keys as they
+    # are (a broadcast over G would copy them G times), the same products.
+    grouped = queries.reshape(batch, kv_heads, q_heads // kv_heads * window, head_dim)
+    if half:
+        logits = torch.bmm(grouped.flatten(0, 1), keys.flatten(0, 1).transpose(-1, -2), out_dtype=torch.float32)
+    else:
+        logits = torch.matmul(grouped.float(), keys.transpose(-1, -2))
+    logits = logits.view(batch, kv_heads, -1, window, slots).amax(dim=2) * scale  # [B, Hkv, W, S]
+    logits = logits.masked_fill(~older[:, :, None, :], -inf)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row without older keys gives NaN -> 0
+    probs = probs * query_valid[:, None, :, None]
+    importance = probs.sum(dim=2) / query_valid.sum(dim=-1).clamp(min=1)[:, None, None]  # [B, Hkv, S]
+    return importance.masked_fill(~older, -inf)
+
+
 def rkv_scores(
     queries: torch.Tensor,
     query_valid: torch.Tensor,
@@ -135,7 +161,7 @@ def rkv_scores(
         `[B, Hkv, S]` float32: Z on the candidates (held, older than the protected tokens),
         +inf on the held protected tokens, -inf on slots not held.
     """
-    batch, q_heads, window, head_dim = queries.shape
+    batch, window = queries.shape[0], queries.shape[2]
     kv_heads, slots = keys.shape[1], keys.shape[2]
     # On the GPU, 16-bit keys are read as stored: their products are exact in the float32 accumulator,
     # so a float32 copy of them (the largest temporary, and a third of the traffic at Figure 3's
@@ -147,22 +173,9 @@ def rkv_scores(
     older = held & (index < slots - window)  # keys the window queries score, [B, Hkv, S]
     candidates = held & (index < slots - protect)
 
-    # Importance. Logits of a KV head = max over its query heads (official compute_attention_scores).
-    # The G query heads' windows as one [G * W, D] block per KV head: one product with the keys as they
-    # are (a broadcast over G would copy them G times), the same products.
-    grouped = queries.reshape(batch, kv_heads, q_heads // kv_heads * window, head_dim)
-    if half:
-        logits = torch.bmm(grouped.flatten(0, 1), keys.flatten(0, 1).transpose(-1, -2), out_dtype=torch.float32)
-    else:
-        logits = torch.matmul(grouped.float(), keys.transpose(-1, -2))
-    logits = logits.view(batch, kv_heads, -1, window, slots).amax(dim=2) * scale  # [B, Hkv, W, S]
-    logits = logits.masked_fill(~older[:, :, None, :], -inf)
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row without older keys gives NaN -> 0
-    probs = probs * query_valid[:, None, :, None]
-    importance = probs.sum(dim=2) / query_valid.sum(dim=-1).clamp(min=1)[:, None, None]  # [B, Hkv, S]
+    importance = window_importance(queries, query_valid, keys, older, scale, half)
     # Max-pool over neighbouring held tokens; -inf around the older keys, as the official pool over
     # keys[:-w] pads with -inf.
-    importance = importance.masked_fill(~older, -inf)
     importance = F.max_pool1d(importance.view(batch * kv_heads, 1, slots), kernel, stride=1,
                               padding=kernel // 2).view(batch, kv_heads, slots)
 
