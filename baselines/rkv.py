@@ -103,20 +103,21 @@ def blocked_newest_duplicates(unit: torch.Tensor, threshold: float) -> tuple[tor
 
 
 def window_importance(queries: torch.Tensor, query_valid: torch.Tensor, keys: torch.Tensor, older: torch.Tensor,
-                      scale: float, half: bool) -> torch.Tensor:
+                      scale: float) -> torch.Tensor:
     """R-KV's importance before its max-pool, `[B, Hkv, S]` float32, -inf where not `older`: the mean
     over the valid window queries of the softmax, over the older keys, of each KV head's logits, which
     are the max over its G query heads (official compute_attention_scores).
 
-    queries `[B, Hq, W, D]`, query_valid `[B, W]`, keys `[B, Hkv, S, D]` (float32 unless `half`: the
-    16-bit GPU path's keys as stored), older `[B, Hkv, S]` bool: the keys the window scores."""
+    queries `[B, Hq, W, D]`, query_valid `[B, W]`, keys `[B, Hkv, S, D]` (float32, or the 16-bit GPU
+    path's keys as stored: `reads_keys_as_stored`), older `[B, Hkv, S]` bool: the keys the window
+    scores."""
     batch, q_heads, window, head_dim = queries.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     inf = float("inf")
     # The G query heads' windows as one [G * W, D] block per KV head: one product with the keys as they
     # are (a broadcast over G would copy them G times), the same products.
     grouped = queries.reshape(batch, kv_heads, q_heads // kv_heads * window, head_dim)
-    if half:
+    if reads_keys_as_stored(queries, keys):
         logits = torch.bmm(grouped.flatten(0, 1), keys.flatten(0, 1).transpose(-1, -2), out_dtype=torch.float32)
     else:
         logits = torch.matmul(grouped.float(), keys.transpose(-1, -2))
@@ -173,7 +174,7 @@ def rkv_scores(
     older = held & (index < slots - window)  # keys the window queries score, [B, Hkv, S]
     candidates = held & (index < slots - protect)
 
-    importance = window_importance(queries, query_valid, keys, older, scale, half)
+    importance = window_importance(queries, query_valid, keys, older, scale)
     # Max-pool over neighbouring held tokens; -inf around the older keys, as the official pool over
     # keys[:-w] pads with -inf.
     importance = F.max_pool1d(importance.view(batch * kv_heads, 1, slots), kernel, stride=1,

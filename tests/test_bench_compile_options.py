@@ -1,10 +1,12 @@
-"""`evals.bench.compile_options.inductor_options`: the `torch.compile` that `longflow.compile` calls gets
-the benchmark's options instead of the engine's, and only inside the block, which compiles into a cache
-directory of its own (a warm cache can hand back an earlier setting's kernels)."""
+"""`evals.bench.compile_options.inductor_options`: the model's compiled forwards dropped, and the
+`torch.compile` that `longflow.compile` calls gets the benchmark's options instead of the engine's, and
+only inside the block, which compiles into a cache directory of its own (a warm cache can hand back an
+earlier setting's kernels)."""
 
 from __future__ import annotations
 
 import os
+import types
 
 import torch
 
@@ -16,7 +18,9 @@ def test_options_replace_the_engines_inside_the_block_only(monkeypatch):
     calls = []
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: calls.append(kwargs))
-    with inductor_options({"max_autotune": True}):
+    model = types.SimpleNamespace(longflow_compiled_forwards={"decode": object()})
+    with inductor_options(model, {"max_autotune": True}):
+        assert model.longflow_compiled_forwards == {}  # compiled afresh
         longflow.compile.torch.compile(print, fullgraph=True, options={"coordinate_descent_tuning": True})
         inside = os.environ["TORCHINDUCTOR_CACHE_DIR"]
         assert inside != cache and os.path.isdir(inside)

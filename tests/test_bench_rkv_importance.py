@@ -30,7 +30,7 @@ def test_the_fused_importance_is_the_pytorch_one(group, window, block_s):
     query_valid = torch.ones(batch, window, dtype=torch.bool)
     query_valid[1, :2] = False
     queries, keys, older, query_valid = (t.to(DEVICE) for t in (queries, keys, older, query_valid))
-    want = window_importance(queries, query_valid, keys.float(), older, 0.2, half=False)
+    want = window_importance(queries, query_valid, keys.float(), older, 0.2)
     got = fused_window_importance(queries, query_valid, keys, older, 0.2, block_s)
     assert torch.equal(got.isfinite(), want.isfinite()) and not want[2, 1].isfinite().any()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

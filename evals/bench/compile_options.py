@@ -29,10 +29,13 @@ import longflow.compile
 
 
 @contextlib.contextmanager
-def inductor_options(options: dict):
-    """`torch.compile` as `longflow.compile` calls it, with `options` instead of its own, compiling into a
-    fresh cache directory: on the H200 (torch 2.11) a warm cache gave `prologue_fusion` and
-    `epilogue_fusion` the kernels an earlier setting had compiled (docs/engine.md)."""
+def inductor_options(model, options: dict):
+    """`model` compiled afresh (Dynamo reset, its compiled forwards dropped) by `torch.compile` as
+    `longflow.compile` calls it, with `options` instead of its own, into a fresh cache directory: on
+    the H200 (torch 2.11) a warm cache gave `prologue_fusion` and `epilogue_fusion` the kernels an
+    earlier setting had compiled (docs/engine.md)."""
+    torch._dynamo.reset()
+    model.longflow_compiled_forwards = {}
     compile_ = torch.compile
 
     def with_options(*args, **kwargs):
@@ -64,11 +67,9 @@ def main() -> None:
     prompts = random_prompts(args.batch, 512, model.config.get_text_config().vocab_size)
     for options in map(json.loads, args.options):
         for method in args.methods.split(","):
-            torch._dynamo.reset()
             counters.clear()
-            model.longflow_compiled_forwards = {}
             # Both runs inside the block, whose cache directory (the compiled graphs' code) goes with it.
-            with inductor_options(options):
+            with inductor_options(model, options):
                 first = time_engine(model, method, args.budget, prompts, args.new, True, "tuned")
                 # Kernels Inductor calls out to in the graphs it compiled (the matmuls it leaves to
                 # cuBLAS, the policy's op): where freezing concatenates q/k/v and gate/up, three fewer a

@@ -80,10 +80,7 @@ def profile(model, method: str, budget: int, prompts, first: int, count: int, co
     """(kernel times `{name: [us per call]}` over the profiled steps, median wall ms of the 16 replays
     before: vanilla's step grows with the filled slots, so only the nearest steps compare). `options`:
     `torch.compile` options in place of the engine's, compiled afresh."""
-    if options is not None:
-        torch._dynamo.reset()
-        model.longflow_compiled_forwards = {}
-    with inductor_options(options) if options is not None else contextlib.nullcontext():
+    with inductor_options(model, options) if options is not None else contextlib.nullcontext():
         return _profile(model, method, budget, prompts, first, count, compile_step)
 
 

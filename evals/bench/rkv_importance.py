@@ -140,8 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     older[:, :, :7] = False  # left padding
     query_valid = torch.ones(args.batch, args.window, dtype=torch.bool, device=device)
     scale = head_dim**-0.5
-    want = window_importance(queries, query_valid, keys, older, scale, half=True)
-    eager = graph_ms([lambda: window_importance(queries, query_valid, keys, older, scale, half=True)])
+    want = window_importance(queries, query_valid, keys, older, scale)
+    eager = graph_ms([lambda: window_importance(queries, query_valid, keys, older, scale)])
     print(f"batch {args.batch}, {args.slots} slots, window {args.window}: PyTorch {eager:.3f} ms a layer, "
           f"{36 * eager:.1f} ms for 36 layers", flush=True)
     for block_s in args.block_s:

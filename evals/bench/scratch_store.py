@@ -192,7 +192,7 @@ def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, 
     next_slot = torch.empty(batch, dtype=torch.int64, device=q.device)
     k_desc = TensorDescriptor.from_tensor(k, [1, 1, block_n, head_dim])
     scratch_desc = TensorDescriptor.from_tensor(scratch.view(batch * kv_heads, q_heads // kv_heads, slots),
-                                                [1, GROUP_PAD, block_n]) if store == 7 else k_desc
+                                                [1, GROUP_PAD, block_n]) if store == 7 else None
     v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
 
     def run():

@@ -81,7 +81,6 @@ def _partial_kernel(
     ONE_SPLIT: tl.constexpr, SCRATCH_FP16: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr,
     VNORM_MMA: tl.constexpr, KV_EVICT: tl.constexpr, T_EVICT: tl.constexpr,
     SCORE: tl.constexpr, BOUNDED: tl.constexpr, VNORM: tl.constexpr, SELECTIONS: tl.constexpr,
-    T_BULK: tl.constexpr,
 ):
     tl.static_assert(GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
@@ -193,9 +192,9 @@ def _partial_kernel(
                 u = s - m_use[:, None] + log_vnorm
                 tl.store(t_rows + slots[None, :], u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
                 tl.store(TREF + rows * n_tiles + start // BLOCK_N, m_use, mask=g_ok)
-            elif T_BULK:
-                # One asynchronous bulk (TMA) store of the tile through T_DESC, the scratch as
-                # [B * Hkv, G, S]: its bounds clip the padding heads and the slots past the last.
+            elif T_DESC is not None:
+                # One asynchronous bulk (TMA) store of the tile through T_DESC (None: `tl.store`), the
+                # scratch as [B * Hkv, G, S]: its bounds clip the padding heads and the last slots.
                 T_DESC.store([(b * KV_HEADS + kv_head).to(tl.int32), 0, start],
                              (s + log_vnorm).reshape(1, GROUP_PAD, BLOCK_N))
             else:
@@ -731,8 +730,7 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
         ONE_SPLIT=splits == 1, SCRATCH_FP16=fp16_scratch, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
         VNORM_MMA=config.vnorm == "mma", KV_EVICT="evict_first" if config.l2_hints else "",
         T_EVICT="evict_last" if config.l2_hints else "", SCORE=True, BOUNDED=False, VNORM=score.vnorm,
-        SELECTIONS=selections, T_BULK=scratch_desc is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        SELECTIONS=selections, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if attention_only:
         return out
@@ -841,7 +839,7 @@ def flash_decode(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         ONE_SPLIT=splits == 1, SCRATCH_FP16=False, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
         VNORM_MMA=False, KV_EVICT="evict_first" if config.l2_hints else "", T_EVICT="",
-        SCORE=False, BOUNDED=lengths is not None, VNORM=False, SELECTIONS=1, T_BULK=False,
+        SCORE=False, BOUNDED=lengths is not None, VNORM=False, SELECTIONS=1,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits == 1:
