@@ -119,8 +119,7 @@ def rtol_for(config: LaunchConfig) -> float:
 
 
 def config_id(config: LaunchConfig) -> str:
-    return (f"n{config.block_n}-s{config.splits}x{config.score_splits}-{config.scratch}-{config.vnorm}"
-            f"-{config.scratch_store}")
+    return f"n{config.block_n}-s{config.splits}x{config.score_splits}-{config.scratch}-{config.vnorm}"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
@@ -130,30 +129,6 @@ def test_launch_configs(config, mask):
     q, k, v, valid = make_inputs(3, 8, 2, 150, 64, torch.bfloat16, mask, seed=2000 + CONFIGS.index(config))
     out, next_slot = longflow_attention(q, k, v, valid, config=config)
     check(q, k, v, valid, out, next_slot, score_rtol=rtol_for(config))
-
-
-BULK_CONFIGS = [
-    LaunchConfig(block_n=16, splits=3, score_splits=2, block_s=32, scratch_store="bulk"),
-    LaunchConfig(block_n=64, splits=1, score_splits=1, block_s=64, scratch_store="bulk"),
-]
-
-
-@pytest.mark.parametrize("config", BULK_CONFIGS, ids=config_id)
-@pytest.mark.parametrize("mask", ["padding", "all_valid"])
-def test_bulk_scratch_stores(config, mask):
-    """The scratch written as bulk stores through a tensor descriptor, whose bounds must clip the
-    padding heads (G = 4 of 16 rows) and the last tile (148 slots: 16-byte rows, a partial tile)."""
-    q, k, v, valid = make_inputs(3, 8, 2, 148, 64, torch.bfloat16, mask, seed=2100 + BULK_CONFIGS.index(config))
-    out, next_slot = longflow_attention(q, k, v, valid, config=config)
-    check(q, k, v, valid, out, next_slot, score_rtol=rtol_for(config))
-
-
-def test_bulk_scratch_stores_need_aligned_rows_and_the_fp32_scratch():
-    q, k, v, valid = make_inputs(1, 8, 2, 150, 64, torch.bfloat16, "padding", seed=1)
-    with pytest.raises(ValueError, match="multiple of 4"):
-        longflow_attention(q, k, v, valid, config=LaunchConfig(block_n=16, scratch_store="bulk"))
-    with pytest.raises(ValueError, match="fp32 scratch"):
-        LaunchConfig(scratch="fp16", scratch_store="bulk")
 
 
 def test_many_splits_combine_one_head_at_a_time():

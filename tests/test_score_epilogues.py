@@ -150,14 +150,6 @@ def test_launch_configs(config, score, per_kv_head):
     run_case(score, per_kv_head, 1 / 8, case, config, rtol=2e-2 if config.scratch == "fp16" else 1e-5)
 
 
-@pytest.mark.parametrize("score,per_kv_head", [("accumulated", True), ("attention_vnorm_mean", False)])
-def test_bulk_scratch_stores(score, per_kv_head):
-    """The scratch as bulk stores (72 slots: 16-byte rows, a partial last tile) under the epilogues."""
-    config = LaunchConfig(block_n=16, splits=3, score_splits=2, block_s=16, scratch_store="bulk")
-    case = make_case(3, 8, 2, 72, 16, per_kv_head, seed=110)
-    run_case(score, per_kv_head, 1 / 8, case, config, rtol=1e-5)
-
-
 def test_bf16_without_protection():
     case = make_case(3, 8, 2, 50, 32, True, seed=7, dtype=torch.bfloat16)
     run_case("accumulated", True, 1.0, case, use_protect=False)

@@ -18,8 +18,6 @@ Methods, on the same random cache at Qwen3-8B shapes (32 query heads, 8 KV heads
   - `longflow_fused`: the Triton kernel (`longflow.kernels.longflow_attention`).
   - `longflow_reference`: its plain PyTorch reference.
   - `flash_decode`: vanilla's decode attention (`longflow.kernels.flash_decode`), every slot filled.
-  - `longflow_fused_bulk` (not in the default set; `--methods` names it): the kernel with its fp32
-    scratch written as bulk TMA stores (`LaunchConfig.scratch_store="bulk"`), an experiment.
 The policies see about 3% invalid slots (left padding). Timing: the calls of one method on several
 input sets (enough sets to hold over 3x the L2 cache, so each replay reads from memory, as a real
 decode step does) are captured in one CUDA graph; the time per call is the median over graph
@@ -49,9 +47,7 @@ from longflow.selection import choose_next
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B
 DTYPE = torch.bfloat16
 METHODS = ("sdpa", "sdpa_packed", "sdpa_cudnn", "h2o", "longflow_fused", "longflow_reference", "flash_decode")
-EXPERIMENTS = ("longflow_fused_bulk",)  # kernels' variants timed only when named
-KERNELS = ("longflow_fused", "flash_decode", "longflow_fused_bulk")  # shown as ratios to the best SDPA
-HATCHES = {"flash_decode": "//", "longflow_fused_bulk": ".."}  # Figure 1's ratio panel; the fused call plain
+KERNELS = ("longflow_fused", "flash_decode")  # the project's kernels, each shown as a ratio to the best SDPA
 FIGURE_POINT = (128, 3200)  # the paper's Figure 1: batch 128, 3200 slots
 ROTATION_BYTES = 192 * 2**20  # input sets per timing hold at least this much (H200 L2: 60 MB)
 REPLAYS = 30
@@ -205,15 +201,6 @@ def method_calls(method: str, q, k, v, valid):
         return h2o_call(q, k, v, valid), "torch"
     if method == "longflow_fused":
         return (lambda: longflow_attention(q, k, v, valid, scale)), "triton"
-    if method == "longflow_fused_bulk":
-        from dataclasses import replace
-
-        from longflow.kernels.longflow_attention import _l2_bytes, _multiprocessors, default_config
-
-        base = default_config(q.shape[0], KV_HEADS, Q_HEADS, k.shape[2], HEAD_DIM, _multiprocessors(q.device),
-                              _l2_bytes(q.device))
-        config = replace(base, scratch="fp32", scratch_store="bulk")  # the bulk stores write fp32
-        return (lambda: longflow_attention(q, k, v, valid, scale, config=config)), "triton"
     return (lambda: reference(q, k, v, valid, scale)), "torch"
 
 
@@ -251,8 +238,7 @@ def print_table(rows: list[dict]) -> None:
     points = list(dict.fromkeys((row["batch"], row["slots"]) for row in rows))
     by_key = {(row["batch"], row["slots"], row["method"]): row for row in rows}
     kernels = [m for m in KERNELS if m in methods] if "sdpa" in methods else []
-    titles = {"longflow_fused": "fused/best sdpa", "flash_decode": "flash_decode/best sdpa",
-              "longflow_fused_bulk": "bulk/best sdpa"}
+    titles = {"longflow_fused": "fused/best sdpa", "flash_decode": "flash_decode/best sdpa"}
     header = f"{'batch':>5} {'slots':>5} {'floor ms':>9} " + " ".join(f"{m:>18}" for m in methods)
     header += "".join(f" {titles[m]:>22}" for m in kernels)
     print(header)
@@ -307,7 +293,7 @@ def plot(rows: list[dict], path: Path) -> None:
         for i, (slots, kernel) in enumerate(itertools.product(slot_counts, kernels)):
             values = [ratios.get((kernel, b, slots), 0) for b in batches]
             axes[1].bar([x + i * width for x in range(len(batches))], values, width,
-                        color=f"C{slot_counts.index(slots)}", hatch=HATCHES.get(kernel),
+                        color=f"C{slot_counts.index(slots)}", hatch="//" if kernel == "flash_decode" else None,
                         edgecolor="white", label=f"{slots} slots" if kernel == kernels[0] else None)
         axes[1].axhline(1.1, color="k", linestyle="--", linewidth=1, label="1.1x target")
         axes[1].set_xticks([x + width * (len(slot_counts) * len(kernels) - 1) / 2 for x in range(len(batches))])
@@ -345,8 +331,6 @@ def sweep_point(batch: int, slots: int, device: torch.device) -> None:
     variants += [replace(base, num_stages=base.num_stages - 1), replace(base, num_stages=base.num_stages + 1),
                  replace(base, num_warps=8), replace(base, block_n=128, num_warps=8),
                  replace(base, block_n=32, num_stages=base.num_stages + 2), replace(base, splits=base.splits * 3)]
-    if slots % 4 == 0:  # the bulk stores' 16-byte scratch rows
-        variants += [replace(base, scratch="fp32", scratch_store="bulk")]
     for config in dict.fromkeys(variants):
         full = graph_ms([lambda c=config, i=inputs: _run(*i, scale, None, c) for inputs in sets])
         attn = graph_ms([lambda c=config, i=inputs: _run(*i, scale, None, c, attention_only=True) for inputs in sets])
@@ -374,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     parser.add_argument("--slots", type=int, nargs="+", default=[1024, 3200, 8192])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + EXPERIMENTS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help="batches 1 and 128 at 3200 slots only")
     parser.add_argument("--sweep", action="store_true", help="time launch-config variants instead")

@@ -60,7 +60,6 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from longflow.kernels.reductions import reduce_max, reduce_min, reduce_sum  # noqa: E402
 
@@ -70,7 +69,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _partial_kernel(
-    Q, K, V, VALID, LENGTHS, T, T_DESC, TREF, M_PART, L_PART, ACC, OUT, BEST, ARRIVED,
+    Q, K, V, VALID, LENGTHS, T, TREF, M_PART, L_PART, ACC, OUT, BEST, ARRIVED,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -192,11 +191,6 @@ def _partial_kernel(
                 u = s - m_use[:, None] + log_vnorm
                 tl.store(t_rows + slots[None, :], u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
                 tl.store(TREF + rows * n_tiles + start // BLOCK_N, m_use, mask=g_ok)
-            elif T_DESC is not None:
-                # One asynchronous bulk (TMA) store of the tile through T_DESC (None: `tl.store`), the
-                # scratch as [B * Hkv, G, S]: its bounds clip the padding heads and the last slots.
-                T_DESC.store([(b * KV_HEADS + kv_head).to(tl.int32), 0, start],
-                             (s + log_vnorm).reshape(1, GROUP_PAD, BLOCK_N))
             else:
                 tl.store(t_rows + slots[None, :], s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
 
@@ -421,9 +415,6 @@ class LaunchConfig:
     prefetch: bool = True  # load the validity mask one tile ahead in the attention pass
     vnorm: str = "mma"  # ||v||_1 as ones @ |v|^T on the tensor cores ("mma") or a reduction ("reduce")
     l2_hints: bool = True  # K/V loaded `evict_first`, the scratch stored `evict_last`
-    # fp32 scratch written by `tl.store` ("plain") or as one bulk TMA store a tile through a tensor
-    # descriptor ("bulk": an experiment, not yet timed on a GPU; needs slots a multiple of 4)
-    scratch_store: str = "plain"
 
     def __post_init__(self):
         for name in ("block_n", "block_s"):
@@ -436,10 +427,6 @@ class LaunchConfig:
             raise ValueError(f"scratch must be 'fp32' or 'fp16', got {self.scratch!r}")
         if self.vnorm not in ("mma", "reduce"):
             raise ValueError(f"vnorm must be 'mma' or 'reduce', got {self.vnorm!r}")
-        if self.scratch_store not in ("plain", "bulk"):
-            raise ValueError(f"scratch_store must be 'plain' or 'bulk', got {self.scratch_store!r}")
-        if self.scratch_store == "bulk" and self.scratch != "fp32":
-            raise ValueError("scratch_store 'bulk' writes the fp32 scratch; scratch='fp16' has its own stores")
 
 
 @functools.cache
@@ -714,18 +701,11 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
     protect_u8 = protect.view(torch.uint8) if protect is not None else valid_u8
 
     head_dim_pad = triton.next_power_of_2(head_dim)
-    group_pad = max(16, triton.next_power_of_2(group))
-    scratch_desc = None
-    if config.scratch_store == "bulk":
-        if slots % 4:
-            raise ValueError(f"scratch_store 'bulk' needs slots a multiple of 4 (16-byte scratch rows), got {slots}")
-        scratch_desc = TensorDescriptor.from_tensor(scratch.view(batch * kv_heads, group, slots),
-                                                    [1, group_pad, config.block_n])
     _partial_kernel[(batch * kv_heads, splits)](
-        q, k, v, valid_u8, valid_u8, scratch, scratch_desc, tile_ref, m_part, l_part, acc, out, best, arrived,
+        q, k, v, valid_u8, valid_u8, scratch, tile_ref, m_part, l_part, acc, out, best, arrived,
         *q.stride(), *k.stride(), *v.stride(), *_mask_strides(valid_u8), 0,
         slots, n_tiles, chunk, splits, scale * LOG2E,
-        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=group_pad,
+        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         ONE_SPLIT=splits == 1, SCRATCH_FP16=fp16_scratch, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
         VNORM_MMA=config.vnorm == "mma", KV_EVICT="evict_first" if config.l2_hints else "",
@@ -829,10 +809,10 @@ def flash_decode(
     acc = torch.empty(batch, q_heads, splits, head_dim, dtype=f32, device=q.device) if splits > 1 else m_part
     valid_u8 = valid.view(torch.uint8)
     head_dim_pad = triton.next_power_of_2(head_dim)
-    # The score's buffers (T, T_DESC, TREF, BEST, ARRIVED) are never touched with SCORE off.
+    # Pointers of the score's buffers (T, TREF, BEST, ARRIVED) are never touched with SCORE off.
     _partial_kernel[(batch * kv_heads, splits)](
-        q, k, v, valid_u8, valid_u8 if lengths is None else lengths, m_part, None, m_part, m_part, l_part, acc,
-        out, m_part, m_part, *q.stride(), *k.stride(), *v.stride(), *_mask_strides(valid_u8),
+        q, k, v, valid_u8, valid_u8 if lengths is None else lengths, m_part, m_part, m_part, l_part, acc, out,
+        m_part, m_part, *q.stride(), *k.stride(), *v.stride(), *_mask_strides(valid_u8),
         0 if lengths is None else lengths.stride(0),
         slots, 1, chunk, splits, scale * LOG2E,
         KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(q_heads // kv_heads)),
