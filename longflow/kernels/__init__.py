@@ -1,9 +1,9 @@
 """Decode kernels: LongFlow's fused Triton attention and its plain PyTorch reference, the same kernel
 with the score epilogues of the other step methods (`scored_attention`: H2O, VATP, TOVA), its
 flash-decoding pass without the score (`flash_decode`, vanilla's attention), the decode token's
-slot write (`write_token`), R-KV's newest near-duplicate search (`newest_duplicates`) and its
-similarities' column sums (`similarity_sums`), and an interval method's compaction of K and V in
-place (`compact_in_place`).
+slot write (`write_token`), R-KV's newest near-duplicate search (`newest_duplicates`), its
+similarities' column sums (`similarity_sums`) and its window importance (`window_importance`), and
+an interval method's compaction of K and V in place (`compact_in_place`).
 
 The kernel module is imported here, eagerly, so that the package attribute `longflow_attention` is
 the function (a later `import longflow.kernels.longflow_attention` does not rebind it to the
@@ -20,6 +20,7 @@ try:
     from longflow.kernels.longflow_attention import flash_decode, longflow_attention, scored_attention
     from longflow.kernels.similarity_sums import similarity_sums
     from longflow.kernels.slot_write import write_token
+    from longflow.kernels.window_importance import window_importance
 except ImportError as error:  # Triton is a Linux-only dependency
     _triton_error = error
 
@@ -44,6 +45,9 @@ except ImportError as error:  # Triton is a Linux-only dependency
     def compact_in_place(*args, **kwargs):
         raise ImportError(f"the compaction kernel needs Triton: {_triton_error}")
 
+    def window_importance(*args, **kwargs):
+        raise ImportError(f"the window-importance kernel needs Triton: {_triton_error}")
+
 
 __all__ = ["compact_in_place", "flash_decode", "longflow_attention", "newest_duplicates", "reference",
-           "scored_attention", "similarity_sums", "write_token"]
+           "scored_attention", "similarity_sums", "window_importance", "write_token"]
