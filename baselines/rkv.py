@@ -38,13 +38,21 @@ SCORE_BYTES = 2 << 30  # temporaries of one `rkv_scores` call
 SIMILARITY_BLOCKS = 4
 PAIR_BYTES = 6  # temporaries per key pair of a block: the float32 similarity, its comparison, transposed
 KEY_BYTES = 24  # per key and dimension off the 16-bit GPU path: its float32 key copies alive at once (about six)
-# Per slot and KV head, on every path: the importance's float32 logits, one per (query head of the
-# group, window query); their maximum over the group and its scaled, masked and softmaxed copies,
-# about three per window query alive at once; and the `[B, Hkv, S]` float32 vectors (importance,
-# norms, column sums, scores...), about sixteen alive at once.
+# Per slot and KV head off the 16-bit GPU path: the importance's float32 logits, one per (query head
+# of the group, window query); their maximum over the group and its scaled, masked and softmaxed
+# copies, about three per window query alive at once; and the `[B, Hkv, S]` float32 vectors
+# (importance, norms, column sums, scores...), about sixteen alive at once. On that path instead the
+# importance kernel's float32 scratch, one per window query, and at most STORED_SLOT_BYTES besides
+# (42 bytes a slot were measured in all, scratch included, at window 8 on the H200:
+# tests/test_rkv.py's bound).
 LOGIT_BYTES = 4
 WINDOW_BYTES = 12
 SLOT_BYTES = 64
+SCRATCH_BYTES = 4
+STORED_SLOT_BYTES = 40
+# Layers are scored in one call only while their keys, which that call's stacking copies, stay under
+# this: a copy of a few hundred MB costs about what the call's launches cost (~40 kernels).
+STACKED_KEY_BYTES = 256 << 20
 
 
 def reads_keys_as_stored(queries: torch.Tensor, keys: torch.Tensor) -> bool:
@@ -54,13 +62,14 @@ def reads_keys_as_stored(queries: torch.Tensor, keys: torch.Tensor) -> bool:
 
 
 def score_bytes(kv_heads: int, slots: int, head_dim: int, group: int, window: int, as_stored: bool) -> int:
-    """Temporaries of `rkv_scores` per row (and layer): the importance's logits and their window
-    copies, the per-slot vectors and, off the 16-bit GPU path (`as_stored` False), the float32 key
-    copies and the CPU's largest block pair of similarities (an over-count for float32 keys on a
-    GPU, whose search needs no pairs: those are the small canary's)."""
-    per_slot = LOGIT_BYTES * group * window + WINDOW_BYTES * window + SLOT_BYTES
+    """Temporaries of `rkv_scores` per row (and layer): on the 16-bit GPU path (`as_stored`), the
+    importance kernel's scratch and the per-slot vectors; off it, the importance's logits and their
+    window copies, the per-slot vectors, the float32 key copies and the CPU's largest block pair of
+    similarities (an over-count for float32 keys on a GPU, whose search needs no pairs: those are
+    the small canary's)."""
     if as_stored:
-        return kv_heads * slots * per_slot
+        return kv_heads * slots * (SCRATCH_BYTES * window + STORED_SLOT_BYTES)
+    per_slot = LOGIT_BYTES * group * window + WINDOW_BYTES * window + SLOT_BYTES
     block = -(-slots // SIMILARITY_BLOCKS)
     return kv_heads * (block * block * PAIR_BYTES + slots * (head_dim * KEY_BYTES + per_slot))
 
@@ -174,7 +183,8 @@ def rkv_scores(
     older = held & (index < slots - window)  # keys the window queries score, [B, Hkv, S]
     candidates = held & (index < slots - protect)
 
-    importance = window_importance(queries, query_valid, keys, older, scale)
+    # On the 16-bit GPU path one Triton kernel (2.8x the PyTorch form on the H200), to float32 rounding.
+    importance = (kernels.window_importance if half else window_importance)(queries, query_valid, keys, older, scale)
     # Max-pool over neighbouring held tokens; -inf around the older keys, as the official pool over
     # keys[:-w] pads with -inf.
     importance = F.max_pool1d(importance.view(batch * kv_heads, 1, slots), kernel, stride=1,
@@ -480,16 +490,18 @@ class RKVPolicy(RKV):
 
     def keep_masks(self, rows: torch.Tensor | None) -> Iterator[torch.Tensor]:
         """The slots a cut of `rows` (None: every row) keeps in each layer (`[n, Hkv, S]` bool): `keep_after` by the
-        score of the query ring. Layers are scored together, as many as `SCORE_BYTES` of S x S
-        temporaries allow: a row is cut on its own whenever the rows are out of step, and one call
-        per layer would be mostly kernel launches."""
+        score of the query ring. Layers are scored together, as many as `SCORE_BYTES` of temporaries
+        and `STACKED_KEY_BYTES` of copied keys allow: a row is cut on its own whenever the rows are
+        out of step, and one call per layer would be mostly kernel launches; at a large batch each
+        layer's keys are read in place instead."""
         spec = self.spec
         count = spec.batch if rows is None else len(rows)
         # The ring's queries and the cache's keys are both in the model's dtype.
         as_stored = spec.device.type == "cuda" and spec.dtype in (torch.float16, torch.bfloat16)
         per_item = score_bytes(spec.kv_heads, self.slots_held, spec.head_dim, spec.q_heads // spec.kv_heads,
                                self.queries_held, as_stored)  # per (layer, row)
-        group = max(1, SCORE_BYTES // (per_item * count))
+        layer_keys = count * spec.kv_heads * self.slots_held * spec.head_dim * spec.dtype.itemsize
+        group = max(1, min(SCORE_BYTES // (per_item * count), STACKED_KEY_BYTES // layer_keys))
 
         def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:  # one layer's own buffer is read in place
             return tensors[0] if len(tensors) == 1 else torch.cat(tensors)

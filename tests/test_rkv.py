@@ -315,11 +315,11 @@ def make_policy(variant, **kwargs):
     return policy
 
 
-@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("limit", [None, "SCORE_BYTES", "STACKED_KEY_BYTES"])
 @pytest.mark.parametrize("variant", ["paper"])
-def test_decode_compression_keeps_the_top_scored(variant, chunked, monkeypatch):
-    if chunked:  # one (layer, row) per scoring call instead of all layers and rows at once
-        monkeypatch.setattr("baselines.rkv.SCORE_BYTES", 1)
+def test_decode_compression_keeps_the_top_scored(variant, limit, monkeypatch):
+    if limit is not None:  # one (layer, row), or one layer, per scoring call instead of every layer and row at once
+        monkeypatch.setattr(f"baselines.rkv.{limit}", 1)
     policy = make_policy(variant)
     slots_n, window = policy.slots_held, policy.queries_held
     generator = torch.Generator().manual_seed(1)
