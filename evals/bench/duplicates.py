@@ -1,17 +1,16 @@
 """R-KV's newest-duplicate search (`longflow.kernels.newest_duplicates`) alone, at one layer's shape.
 
     python -m evals.bench.duplicates                      # Figure 3's compression: 408 rows, 8 KV heads, 1744 slots
-    python -m evals.bench.duplicates --sweep              # the tile sizes and warps, the default first
+    python -m evals.bench.duplicates --sweep              # the tile shapes and warps, the default first
     python -m evals.bench.duplicates --shared 1.2         # keys around a shared direction: tiles stop early
 
 One compression of R-KV searches every layer's keys `[B, Hkv, S, D]` (bf16, as the cache stores
 them). With `--shared 0` the keys are independent Gaussians, as a random-weight model's: almost no
-pair passes the threshold, so no walk stops early and every pair of tiles is multiplied (once: the
-similarity is symmetric), the worst case and Figure 3's (`evals.bench.throughput`); `--shared` adds
-that multiple of one direction per head, so most keys find a newer duplicate in the first tiles, as
-a trained model's keys do. Each configuration is timed over `--repeats` launches between CUDA events
-after a warm-up, the median kept; `tflops` counts the products of the whole S x S matrix
-(2 D S^2 per head), whatever the kernel skipped, so that it compares searches. Needs a CUDA GPU.
+pair passes the threshold, so every program walks all its column tiles, the worst case and Figure
+3's (`evals.bench.throughput`); `--shared` adds that multiple of one direction per head, so most keys
+find a newer duplicate in the first tiles, as a trained model's keys do. Each configuration is timed
+over `--repeats` launches between CUDA events after a warm-up, the median kept; `tflops` counts the
+products of a full walk (2 D S^2 per head), whatever the early exits skipped. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -74,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     keys, inverse = layer_keys(args.batch, args.kv_heads, args.slots, args.head_dim, args.shared, device)
     configs = [DEFAULT]
     if args.sweep:
-        configs += [dict(block=block, num_warps=warps) for block, warps in itertools.product((32, 64, 128), (4, 8))
-                    if dict(block=block, num_warps=warps) != DEFAULT]
+        configs += [dict(block_rows=rows, block_cols=cols, num_warps=warps)
+                    for rows, cols, warps in itertools.product((32, 64, 128), (32, 64, 128), (4, 8))
+                    if dict(block_rows=rows, block_cols=cols, num_warps=warps) != DEFAULT]
     flops = 2 * args.head_dim * args.slots**2 * args.batch * args.kv_heads
     expected, rows = None, []
     for config in configs:
