@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     configs = [DEFAULT]
     if args.sweep:
         configs += [dict(block_rows=rows, block_cols=cols, num_warps=warps)
-                    for rows, cols, warps in itertools.product((32, 64, 128), (32, 64, 128), (4, 8))
+                    for rows, cols, warps in itertools.product((32, 64, 128, 256), (32, 64, 128), (4, 8))
                     if dict(block_rows=rows, block_cols=cols, num_warps=warps) != DEFAULT]
     flops = 2 * args.head_dim * args.slots**2 * args.batch * args.kv_heads
     expected, rows = None, []

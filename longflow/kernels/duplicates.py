@@ -107,7 +107,7 @@ def _newest_duplicate_kernel(
 
 
 def newest_duplicates(keys: torch.Tensor, inverse_norms: torch.Tensor, threshold: float, *,
-                      block_rows: int = 128, block_cols: int = 64, num_warps: int = 4
+                      block_rows: int = 256, block_cols: int = 64, num_warps: int = 4
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each key i of `keys` `[..., S, D]`: the newest (largest) slot j != i with
     S_ij = ((k_i . k_j) * r_j) * r_i > threshold, and that S_ij; slot S - 1 and 0 where there is none.
