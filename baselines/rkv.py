@@ -51,7 +51,8 @@ SLOT_BYTES = 64
 SCRATCH_BYTES = 4
 STORED_SLOT_BYTES = 40
 # Layers are scored in one call only while their keys, which that call's stacking copies, stay under
-# this: a copy of a few hundred MB costs about what the call's launches cost (~40 kernels).
+# this. An estimate, not a measurement: a 256 MB copy reads and writes about 0.5 GB, ~0.13 ms at
+# 4 TB/s, about what the ~40 launches of a call that it saves cost.
 STACKED_KEY_BYTES = 256 << 20
 
 
