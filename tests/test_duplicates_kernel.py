@@ -18,11 +18,13 @@ from longflow.selection import choose_keep, chosen_mask
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def keys_with_duplicates(seed: int, lead: tuple[int, ...], slots: int, head_dim: int) -> torch.Tensor:
-    """Keys around a shared direction (so that many pairs pass 0.5) with some exact copies planted."""
+def keys_with_duplicates(seed: int, lead: tuple[int, ...], slots: int, head_dim: int, shared: float = 1.2
+                         ) -> torch.Tensor:
+    """Keys around a shared direction of weight `shared` (at 1.2 many pairs pass 0.5 and row tiles
+    stop early, at 0 few and they walk every column tile) with some exact copies planted."""
     generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(*lead, slots, head_dim, generator=generator)
-    keys = keys + 1.2 * torch.randn(*lead, 1, head_dim, generator=generator)
+    keys = keys + shared * torch.randn(*lead, 1, head_dim, generator=generator)
     if slots > 4:
         keys[..., slots // 2, :] = 2.0 * keys[..., 1, :]  # a far duplicate of an old key
     return keys
@@ -35,19 +37,27 @@ def inverse_norms(keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("slots", [1, 2, 3, 17, 40, 100])
 @pytest.mark.parametrize("block_rows, block_cols", [(16, 16), (64, 64), (16, 32), (32, 16)])
 @pytest.mark.parametrize("threshold", [0.5, -0.1])
-def test_matches_the_rule_by_hand(slots, block_rows, block_cols, threshold):
+@pytest.mark.parametrize("shared", [1.2, 0.0])
+def test_matches_the_rule_by_hand(slots, block_rows, block_cols, threshold, shared):
     """Several tiles of rows and columns (block 16), a tile that stops early, free slots (r = 0),
-    and slot counts that no tile divides. Below zero every similarity of 0 passes: a free slot's,
-    S_ii's, but not a column past the last slot's in the newest tile."""
-    keys = keys_with_duplicates(slots, (2, 2), slots, 24)
+    and slot counts that no tile divides; keys with many duplicates and with few. Below zero every
+    similarity of 0 passes: a free slot's, S_ii's, but not a column past the last slot's in the
+    newest tile."""
+    keys = keys_with_duplicates(slots, (2, 2), slots, 24, shared)
     held = torch.ones(2, 2, slots, dtype=torch.bool)
     held[0, 1, ::3] = False
     r = inverse_norms(keys, held)
     index, similarity = (t.cpu() for t in newest_duplicates(keys.to(DEVICE), r.to(DEVICE), threshold,
                                                             block_rows=block_rows, block_cols=block_cols))
-    unit = keys * r[..., None]
-    for b in range(2):
-        for h in range(2):
+    assert_the_rule_by_hand(index, similarity, keys * r[..., None], threshold)
+
+
+def assert_the_rule_by_hand(index: torch.Tensor, similarity: torch.Tensor, unit: torch.Tensor, threshold: float):
+    """The kernel's (slot, similarity) `[B, Hkv, S]` against the rule written out over unit keys
+    `[B, Hkv, S, D]`: S_ii taken as 0, the newest j with S_ij > threshold (slot S - 1 and 0 where none)."""
+    batch, kv_heads, slots, _ = unit.shape
+    for b in range(batch):
+        for h in range(kv_heads):
             for i in range(slots):
                 sims = [float(unit[b, h, i] @ unit[b, h, j]) if j != i else 0.0 for j in range(slots)]
                 above = [j for j in range(slots) if sims[j] > threshold]
@@ -55,6 +65,25 @@ def test_matches_the_rule_by_hand(slots, block_rows, block_cols, threshold):
                 assert int(index[b, h, i]) == expected, (b, h, i)
                 value = sims[expected] if above else 0.0
                 assert math.isclose(float(similarity[b, h, i]), value, rel_tol=1e-5, abs_tol=1e-6)
+
+
+@pytest.mark.parametrize("cosine", [0.505, 0.9])
+def test_a_duplicate_just_above_the_threshold_is_found(cosine):
+    """Independent keys of one norm with slot 40 at the given cosine to slot 3, in tiles of 16 over
+    70 slots: the pair is found from either side, however close to the threshold (a shortcut that
+    rules a tile out by an upper bound of its similarities must be exact: one that is 1% low fails
+    here)."""
+    generator = torch.Generator().manual_seed(0)
+    slots, head_dim = 70, 64
+    keys = torch.nn.functional.normalize(torch.randn(1, 1, slots, head_dim, generator=generator), dim=-1)
+    orthogonal = keys[0, 0, 40] - (keys[0, 0, 40] @ keys[0, 0, 3]) * keys[0, 0, 3]
+    keys[0, 0, 40] = cosine * keys[0, 0, 3] + math.sqrt(1 - cosine**2) * orthogonal / orthogonal.norm()
+    keys = 3.0 * keys
+    r = inverse_norms(keys, torch.ones(1, 1, slots, dtype=torch.bool))
+    index, similarity = (t.cpu() for t in newest_duplicates(keys.to(DEVICE), r.to(DEVICE), 0.5,
+                                                            block_rows=16, block_cols=16))
+    assert_the_rule_by_hand(index, similarity, keys * r[..., None], 0.5)
+    assert int(index[0, 0, 3]) >= 40 and int(index[0, 0, 40]) >= 3
 
 
 # fp16, not bf16: Triton's interpreter multiplies bf16 tiles wrongly (numpy has no bf16); the GPU
