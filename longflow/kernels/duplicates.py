@@ -40,7 +40,7 @@ def _newest_duplicate_kernel(
     stride_keys_n, stride_keys_s, stride_norms_n, stride_out_n,
     slots, threshold,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
-    IEEE: tl.constexpr, BOUND: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     """Program (tile, n): rows `tile * BLOCK_I + [0, BLOCK_I)` of head n, searched newest tile first.
 
@@ -80,36 +80,26 @@ def _newest_duplicate_kernel(
         else:
             products = tl.dot(row_keys, tl.trans(col_keys))
         # The epilogue runs on every element of the walk, beside a product on the tensor cores, so
-        # it is one maximum per element (a scaling and a maximum more in the tiles that may hold a
-        # duplicate); what only some tiles need is branched on per tile. S_ij = (k_i . k_j r_j) r_i,
-        # and r_i >= 0 keeps the order of a row: its largest S_ij is its largest k_i . k_j r_j times
-        # r_i, so a row has a duplicate in the tile iff that passes the threshold, and the
-        # duplicates are looked for only in the tiles where one does.
-        if BOUND:
-            # Under a threshold >= 0 a duplicate needs k_i . k_j > 0, and then k_i . k_j r_j <=
-            # max_j(k_i . k_j) max_j(r_j); float rounding is monotone, so a row whose bound times r_i
-            # does not pass has no duplicate in the tile. Independent keys rarely pass it.
-            bound = reduce_max(products, 1) * reduce_max(col_norms, 0)
-            possible = reduce_max(((found < 0) & (bound * row_norms > threshold)).to(tl.int32), 0) > 0
+        # it is one product and one maximum per element; what only some tiles need is branched on
+        # per tile. S_ij = (k_i . k_j r_j) r_i, and r_i >= 0 keeps the order of a row: its largest
+        # S_ij is its largest k_i . k_j r_j times r_i, so a row has a duplicate in the tile iff that
+        # passes the threshold, and the duplicates are looked for only in the tiles where one does.
+        scaled = products * col_norms[None, :]  # [BLOCK_I, BLOCK_J]
+        if (start < first_row + BLOCK_I) & (start + BLOCK_J > first_row):  # S_ii = 0, then compared
+            scaled = tl.where(rows[:, None] == cols[None, :], 0.0, scaled)
+        if start + BLOCK_J > slots:  # the newest tile: no slot past the last one
+            largest = reduce_max(tl.where(cols[None, :] < slots, scaled, float("-inf")), 1)
         else:
-            possible = missing > 0
-        if possible:
-            scaled = products * col_norms[None, :]  # [BLOCK_I, BLOCK_J]
-            if (start < first_row + BLOCK_I) & (start + BLOCK_J > first_row):  # S_ii = 0, then compared
-                scaled = tl.where(rows[:, None] == cols[None, :], 0.0, scaled)
-            if start + BLOCK_J > slots:  # the newest tile: no slot past the last one
-                largest = reduce_max(tl.where(cols[None, :] < slots, scaled, float("-inf")), 1)
-            else:
-                largest = reduce_max(scaled, 1)
-            take = (found < 0) & (largest * row_norms > threshold)  # a newer tile's duplicate stands
-            if reduce_max(take.to(tl.int32), 0) > 0:
-                similarity = scaled * row_norms[:, None]
-                duplicate = (similarity > threshold) & (cols < slots)[None, :]
-                newest = reduce_max(tl.where(duplicate, cols[None, :], -1), 1)
-                at_newest = reduce_sum(tl.where(cols[None, :] == newest[:, None], similarity, 0.0), 1)
-                found = tl.where(take, newest, found)
-                value = tl.where(take, at_newest, value)
-                missing = reduce_sum(((found < 0) & row_ok).to(tl.int32), 0)
+            largest = reduce_max(scaled, 1)
+        take = (found < 0) & (largest * row_norms > threshold)  # a newer tile's duplicate stands
+        if reduce_max(take.to(tl.int32), 0) > 0:
+            similarity = scaled * row_norms[:, None]
+            duplicate = (similarity > threshold) & (cols < slots)[None, :]
+            newest = reduce_max(tl.where(duplicate, cols[None, :], -1), 1)
+            at_newest = reduce_sum(tl.where(cols[None, :] == newest[:, None], similarity, 0.0), 1)
+            found = tl.where(take, newest, found)
+            value = tl.where(take, at_newest, value)
+            missing = reduce_sum(((found < 0) & row_ok).to(tl.int32), 0)
         start -= BLOCK_J
         cols, col_keys, col_norms = next_cols, next_keys, next_norms
     tl.store(INDEX + n * stride_out_n + rows, tl.where(found < 0, slots - 1, found).to(tl.int64), mask=row_ok)
@@ -147,6 +137,6 @@ def newest_duplicates(keys: torch.Tensor, inverse_norms: torch.Tensor, threshold
             flat[heads], norms[heads], index[heads], similarity[heads], flat.stride(0), flat.stride(1),
             norms.stride(0), index.stride(0), slots, float(threshold),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_I=block_rows,
-            BLOCK_J=block_cols, IEEE=keys.dtype == torch.float32, BOUND=threshold >= 0, num_warps=num_warps,
+            BLOCK_J=block_cols, IEEE=keys.dtype == torch.float32, num_warps=num_warps,
         )
     return index.view(*lead, slots), similarity.view(*lead, slots)
