@@ -46,9 +46,10 @@ def _newest_duplicate_kernel(
 
     The row tiles of one head are the grid's fastest axis, so the programs that read a head's keys
     run together and mostly find them in L2: with the head first, each program read its columns
-    from DRAM (all S / BLOCK_I row tiles of a head were B * Hkv programs apart). The next column
-    tile is loaded before the current one is multiplied, so its latency hides behind the product
-    (a `while` loop, which the early exit needs, is not software-pipelined by Triton)."""
+    from DRAM (all S / BLOCK_I row tiles of a head were B * Hkv programs apart). Each column tile
+    is loaded where it is multiplied: the walk is bound by its products and epilogue taking turns,
+    not by its loads (Nsight Compute on the H200: DRAM 5%, L2 21% busy), and staging the next tile
+    through registers spilled more and ran 7% slower (longflow/kernels/NOTES.md)."""
     n = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_I + tl.arange(0, BLOCK_I)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -61,20 +62,15 @@ def _newest_duplicate_kernel(
     row_norms = tl.load(head_norms + rows, mask=row_ok, other=0.0)
     found = tl.full([BLOCK_I], -1, tl.int32)
     value = tl.full([BLOCK_I], 0.0, tl.float32)
-    start = (slots - 1) // BLOCK_J * BLOCK_J
-    cols = start + tl.arange(0, BLOCK_J)
-    col_ok = cols < slots
-    col_keys = tl.load(head_keys + cols[:, None] * stride_keys_s + dims[None, :],
-                       mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_J, HEAD_DIM_PAD]
-    col_norms = tl.load(head_norms + cols, mask=col_ok, other=0.0)
+    start = (slots - 1) // BLOCK_J * BLOCK_J  # the newest tile's first slot
     first_row = tl.program_id(0) * BLOCK_I
     missing = reduce_sum(row_ok.to(tl.int32), 0)
     while (start >= 0) & (missing > 0):
-        next_cols = start - BLOCK_J + tl.arange(0, BLOCK_J)
-        next_ok = next_cols >= 0  # below the oldest tile: nothing loaded
-        next_keys = tl.load(head_keys + next_cols[:, None] * stride_keys_s + dims[None, :],
-                            mask=next_ok[:, None] & dim_ok[None, :], other=0.0)
-        next_norms = tl.load(head_norms + next_cols, mask=next_ok, other=0.0)
+        cols = start + tl.arange(0, BLOCK_J)
+        col_ok = cols < slots
+        col_keys = tl.load(head_keys + cols[:, None] * stride_keys_s + dims[None, :],
+                           mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_J, HEAD_DIM_PAD]
+        col_norms = tl.load(head_norms + cols, mask=col_ok, other=0.0)
         if IEEE:
             products = tl.dot(row_keys, tl.trans(col_keys), input_precision="ieee")
         else:
@@ -101,7 +97,6 @@ def _newest_duplicate_kernel(
             value = tl.where(take, at_newest, value)
             missing = reduce_sum(((found < 0) & row_ok).to(tl.int32), 0)
         start -= BLOCK_J
-        cols, col_keys, col_norms = next_cols, next_keys, next_norms
     tl.store(INDEX + n * stride_out_n + rows, tl.where(found < 0, slots - 1, found).to(tl.int64), mask=row_ok)
     tl.store(SIMILARITY + n * stride_out_n + rows, value, mask=row_ok)
 
