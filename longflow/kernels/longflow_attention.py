@@ -460,16 +460,18 @@ def default_config(
     splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(slots, block_n)))
     num_stages = 3 if split_regime else 4
     # Score pass: 128 (small batches) or 256 slots per program, at most ~4 programs per multiprocessor
-    # (a row's selections each have programs of their own).
+    # (a row's selections each have programs of their own). With one split its tiles are 64 slots
+    # (1-2% faster than 128 at batch 64 and 128, `python -m evals.bench.attention --sweep`).
     per_part = 128 if split_regime else 256
     score_splits = max(1, min(triton.cdiv(slots, per_part), triton.cdiv(4 * sms, batch * selections)))
+    block_s = 128 if split_regime else 64
     # In the split regime the pass must run at SDPA's speed on its own, and an fp32 scratch that
     # overflows its share of L2 (a quarter) goes to DRAM: half the bytes in fp16 then win
     # (longflow/kernels/NOTES.md). With fewer, larger programs fp32 is as fast or faster.
     fp32_scratch_bytes = batch * q_heads * slots * 4
     scratch = "fp16" if split_regime and fp32_scratch_bytes > l2_bytes // 4 else "fp32"
     return LaunchConfig(block_n=block_n, num_stages=num_stages, splits=splits, score_splits=score_splits,
-                        scratch=scratch)
+                        block_s=block_s, scratch=scratch)
 
 
 def _check_inputs(q, k, v, valid, protect) -> None:
