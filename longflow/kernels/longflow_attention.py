@@ -61,6 +61,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from longflow.kernels.precision import ieee_products  # noqa: E402
 from longflow.kernels.reductions import reduce_max, reduce_min, reduce_sum  # noqa: E402
 
 LOG2E = 1.4426950408889634
@@ -684,9 +685,7 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
     score_chunk = triton.cdiv(triton.cdiv(slots, config.score_splits), block_s) * block_s
     score_splits = triton.cdiv(slots, score_chunk)
     n_tiles = triton.cdiv(slots, config.block_n)
-    # fp32 inputs get exact fp32 products (no tf32); so does the interpreter, whose bf16/fp16 dot
-    # multiplies raw bit patterns (Triton 3.9).
-    fp32_dot = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    fp32_dot = ieee_products(q.dtype)
 
     device, f32 = q.device, torch.float32
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=device)
@@ -802,7 +801,7 @@ def flash_decode(
         chunk, splits = _even_split(slots, config.splits, config.block_n)
     else:  # the kernel cuts each row's filled slots itself
         chunk, splits = 0, min(config.splits, triton.cdiv(slots, config.block_n))
-    fp32_dot = q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    fp32_dot = ieee_products(q.dtype)
 
     f32 = torch.float32
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)

@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from longflow.kernels.precision import ieee_products  # noqa: E402
 from longflow.kernels.reductions import reduce_max, reduce_sum  # noqa: E402
 
 
@@ -118,8 +119,7 @@ def window_importance(queries: torch.Tensor, query_valid: torch.Tensor, keys: to
     out = torch.empty(batch, kv_heads, slots, dtype=torch.float32, device=keys.device)
     if out.numel() == 0:
         return out
-    # The interpreter's products are numpy's, which has no bfloat16: 16-bit tiles go through float32 there.
-    ieee = queries.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+    ieee = ieee_products(queries.dtype)
     _window_importance_kernel[(batch * kv_heads,)](
         queries, keys, older.contiguous().view(torch.uint8), query_valid.contiguous().view(torch.uint8), scratch,
         out, *queries.stride(), *keys.stride(), slots, float(scale),
