@@ -86,9 +86,9 @@ def test_a_duplicate_just_above_the_threshold_is_found(cosine):
     assert int(index[0, 0, 3]) >= 40 and int(index[0, 0, 40]) >= 3
 
 
-# fp16, not bf16: Triton's interpreter multiplies bf16 tiles wrongly (numpy has no bf16); the GPU
-# test below covers bf16.
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+# On the interpreter 16-bit tiles are multiplied in float32 (numpy has no bf16); the GPU test below
+# covers the tensor-core products.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_matches_the_blocked_search(dtype):
     """The kernel on stored keys (half-precision products exact in fp32) against the PyTorch search
     on float32 unit keys; every row's duplicate is the same wherever no similarity sits at the

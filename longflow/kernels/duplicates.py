@@ -11,7 +11,8 @@ S x S is written.
 
 Arithmetic: S_ij = ((k_i . k_j) * r_j) * r_i, with r = held / (||k|| + 1e-8), the unit keys'
 similarity of the PyTorch path regrouped. For bf16 / fp16 keys the products are exact in the fp32
-accumulator; fp32 keys are multiplied in IEEE fp32 (no TF32). Either way S_ij can differ from the
+accumulator; fp32 keys are multiplied in IEEE fp32 (no TF32), and so are 16-bit keys under the
+interpreter (`longflow.kernels.precision`). Either way S_ij can differ from the
 PyTorch value by a few float32 roundings, so a similarity within ~1e-6 of the threshold may fall on
 the other side of it.
 """
@@ -29,6 +30,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from longflow.kernels.precision import ieee_products  # noqa: E402
 from longflow.kernels.reductions import reduce_max, reduce_sum  # noqa: E402
 
 _MAX_GRID_Y = 65535
@@ -72,7 +74,7 @@ def _newest_duplicate_kernel(
                            mask=col_ok[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_J, HEAD_DIM_PAD]
         col_norms = tl.load(head_norms + cols, mask=col_ok, other=0.0)
         if IEEE:
-            products = tl.dot(row_keys, tl.trans(col_keys), input_precision="ieee")
+            products = tl.dot(row_keys.to(tl.float32), tl.trans(col_keys.to(tl.float32)), input_precision="ieee")
         else:
             products = tl.dot(row_keys, tl.trans(col_keys))
         # The epilogue runs on every element of the walk, beside a product on the tensor cores, so
@@ -132,6 +134,6 @@ def newest_duplicates(keys: torch.Tensor, inverse_norms: torch.Tensor, threshold
             flat[heads], norms[heads], index[heads], similarity[heads], flat.stride(0), flat.stride(1),
             norms.stride(0), index.stride(0), slots, float(threshold),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_I=block_rows,
-            BLOCK_J=block_cols, IEEE=keys.dtype == torch.float32, num_warps=num_warps,
+            BLOCK_J=block_cols, IEEE=ieee_products(keys.dtype), num_warps=num_warps,
         )
     return index.view(*lead, slots), similarity.view(*lead, slots)
