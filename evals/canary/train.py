@@ -10,7 +10,7 @@ equal a held-out program (rows that would are left out of the loss and counted).
 model's output only: the thinking lines, the boxed answer and the end of turn.
 
 The run is `--steps` long (5000, the committed model's), or as long as fits in `--seconds`: then steps
-`CALIBRATION_STEPS // 3` to `CALIBRATION_STEPS` (inside the warm-up, whose learning rate does not
+`evals.canary.fitting.CALIBRATION_STEPS // 3` to `CALIBRATION_STEPS` (inside the warm-up, whose learning rate does not
 depend on the run length; the first steps carry one-time costs) are timed, and the run takes as many
 steps as fit, with a cosine schedule over them. The step count is logged: `--steps N` repeats the
 same schedule. At the end the weights are rounded to bf16 and saved with the tokenizer, and the
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import platform
 import re
 import sys
@@ -41,11 +40,11 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from evals.canary import vocabulary
 from evals.canary.batches import LINE_TOKENS, Batches, heldout_mask, heldout_programs
+from evals.canary.fitting import RunLength, adamw, descend, learning_rate, sync
 from evals.canary.task import CanaryTask
 from evals.datasets import Item
 from evals.prompts import build_messages, render_prompt
 
-CALIBRATION_STEPS = 60
 LOG_EVERY = 50
 
 
@@ -148,29 +147,18 @@ def greedy_accuracy(model, tokenizer, task: CanaryTask, size: int, device: torch
             "max_output_tokens": max(lengths)}
 
 
-def learning_rate(config: TrainConfig, step: int, total: int | None) -> float:
-    if step < config.warmup or total is None:
-        return config.lr * min(1.0, (step + 1) / config.warmup)
-    progress = min(1.0, (step - config.warmup) / max(1, total - config.warmup))
-    return config.lr * (config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def fit(config: TrainConfig, model, batches: Batches, heldout: torch.Tensor, device: torch.device) -> dict:
     """The training loop; returns what the log keeps of it (curve, steps, tokens, time)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    optimizer = adamw(config, model, device)
     generator = torch.Generator(device=device).manual_seed(config.seed)
     step_counts = torch.Generator().manual_seed(config.seed + 1)
     # The longest programs both the task and the training have: the hardest items of the held-out split.
     validation = batches.programs(torch.Generator(device=device).manual_seed(config.seed + 2), 64,
                                   min(batches.task.max_steps, config.train_max_steps))
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
-    curve, total, tokens_seen = [], config.steps if config.seconds is None else None, 0
+    curve, tokens_seen = [], 0
     excluded = torch.zeros((), dtype=torch.long, device=device)  # summed on the device: no sync a step
-    start = time.perf_counter()
+    run_length = RunLength(config, device)
 
     def record(step: int, loss: torch.Tensor | None) -> None:
         """A curve point: the last training batch's loss and the validation programs' loss and share
@@ -179,8 +167,8 @@ def fit(config: TrainConfig, model, batches: Batches, heldout: torch.Tensor, dev
         with amp, torch.no_grad():
             val_loss, val_first = output_loss(model, batches.tokens(validation), batches.prompt_len)
         model.train()
-        point = {"step": step, "seconds": round(time.perf_counter() - start, 1), "tokens": tokens_seen,
-                 "lr": learning_rate(config, max(step - 1, 0), total),
+        point = {"step": step, "seconds": round(run_length.elapsed(), 1), "tokens": tokens_seen,
+                 "lr": learning_rate(config, max(step - 1, 0), run_length.total),
                  "loss": None if loss is None else round(loss.item(), 5),
                  "val_loss": round(val_loss.mean().item(), 5),
                  "val_exact": round((val_first < 0).float().mean().item(), 4)}
@@ -189,41 +177,26 @@ def fit(config: TrainConfig, model, batches: Batches, heldout: torch.Tensor, dev
 
     record(0, None)  # the untrained model
     step = 0
-    while total is None or step < total:
+    while run_length.goes_on(step):
         steps = int(torch.randint(config.train_min_steps, config.train_max_steps + 1, (1,), generator=step_counts))
         length = batches.prompt_len + LINE_TOKENS * steps + 9
         programs = batches.programs(generator, max(1, config.tokens_per_step // length), steps)
         keep = ~heldout_mask(programs, heldout)
         excluded += (~keep).sum()
         tokens = batches.tokens(programs)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step, total)
         with amp:
             loss, _ = output_loss(model, tokens, batches.prompt_len)
         loss = (loss * keep).sum() / keep.sum().clamp(min=1)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
+        descend(config, optimizer, model, loss, step, run_length.total)
         tokens_seen += tokens.numel()
         step += 1
-        if total is None and step in (CALIBRATION_STEPS // 3, CALIBRATION_STEPS):
-            # Timed from a third of the way in: the first steps carry one-time costs (kernel loading).
-            sync(device)
-            if step == CALIBRATION_STEPS // 3:
-                timed_from = (step, time.perf_counter())
-            else:
-                per_step = (time.perf_counter() - timed_from[1]) / (step - timed_from[0])
-                left = config.seconds - (time.perf_counter() - start)
-                total = max(config.warmup + 1, step + int(left / per_step))
-                print(f"calibrated: {per_step * 1000:.0f} ms a step -> {total} steps", flush=True)
-        if step % LOG_EVERY == 0 or step == total:
+        run_length.stepped(step)
+        if step % LOG_EVERY == 0 or step == run_length.total:
             record(step, loss)
-        if config.seconds is not None and time.perf_counter() - start > 1.1 * config.seconds:
-            print(f"stopped at step {step} of {total}: past 1.1x the time budget", flush=True)
+        if run_length.overran(step):
             break
     sync(device)
-    return {"steps": step, "tokens": tokens_seen, "train_seconds": round(time.perf_counter() - start, 1),
+    return {"steps": step, "tokens": tokens_seen, "train_seconds": round(run_length.elapsed(), 1),
             "heldout_rows_excluded": int(excluded), "curve": curve}
 
 
@@ -312,11 +285,6 @@ def plot_curve(log: dict, path: Path) -> Path:
                     fontsize=10)
     figure.savefig(path, dpi=120)
     return path
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,16 +33,9 @@ from transformers import Qwen3ForCausalLM
 from evals.canary import vocabulary
 from evals.canary.batches import LINE_TOKENS
 from evals.canary.families import FAMILIES, HELDOUT_SIZE, MAX_STEPS, heldout
+from evals.canary.fitting import RunLength, adamw, descend, learning_rate, sync
 from evals.canary.suite_batches import FamilyBatches, heldout_mask, suite_batches
-from evals.canary.train import (
-    CALIBRATION_STEPS,
-    TrainConfig,
-    environment,
-    learning_rate,
-    output_loss,
-    save_weights,
-    sync,
-)
+from evals.canary.train import TrainConfig, environment, output_loss, save_weights
 from evals.datasets import Item
 from evals.prompts import build_messages, render_prompt
 from longflow.errors import UserError
@@ -145,11 +138,7 @@ def save(model, tokenizer, out: Path, log: dict) -> None:
 def fit(config: SuiteTrainConfig, model, families: dict[str, FamilyBatches], device: torch.device,
         checkpoint) -> dict:
     """The training loop; returns what the log keeps of it. `checkpoint(run)` at every curve point."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=config.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    optimizer = adamw(config, model, device)
     generator = torch.Generator(device=device).manual_seed(config.seed)
     choices = torch.Generator().manual_seed(config.seed + 1)
     names = list(FAMILIES)
@@ -159,14 +148,13 @@ def fit(config: SuiteTrainConfig, model, families: dict[str, FamilyBatches], dev
                   for name, family in families.items()}
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     run = {"curve": [], "steps": 0, "tokens": 0, "heldout_rows_excluded": 0}
-    total = config.steps if config.seconds is None else None
     excluded = torch.zeros((), dtype=torch.long, device=device)
-    start = time.perf_counter()
+    run_length = RunLength(config, device)
 
     def record(step: int, loss: torch.Tensor | None, family: str | None) -> None:
         model.eval()
-        point = {"step": step, "seconds": round(time.perf_counter() - start, 1), "tokens": run["tokens"],
-                 "lr": learning_rate(config, max(step - 1, 0), total), "family": family,
+        point = {"step": step, "seconds": round(run_length.elapsed(), 1), "tokens": run["tokens"],
+                 "lr": learning_rate(config, max(step - 1, 0), run_length.total), "family": family,
                  "loss": None if loss is None else round(loss.item(), 5)}
         with amp, torch.no_grad():
             for name, family_batches in families.items():
@@ -183,7 +171,7 @@ def fit(config: SuiteTrainConfig, model, families: dict[str, FamilyBatches], dev
     model.train()
     record(0, None, None)
     step = 0
-    while total is None or step < total:
+    while run_length.goes_on(step):
         name = names[int(torch.multinomial(shares, 1, generator=choices))]
         steps = int(torch.randint(config.train_min_steps, config.train_max_steps + 1, (1,), generator=choices))
         family = families[name]
@@ -191,31 +179,17 @@ def fit(config: SuiteTrainConfig, model, families: dict[str, FamilyBatches], dev
         params = family.draw(generator, max(1, config.tokens_per_step // length), steps)
         keep = ~heldout_mask(params, family.heldout)
         tokens = family.tokens(params)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(config, step, total)
         with amp:
             loss, _ = output_loss(model, tokens, prompt_length(family))
         excluded += (~keep).sum()
         loss = (loss * keep).sum() / keep.sum().clamp(min=1)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
+        descend(config, optimizer, model, loss, step, run_length.total)
         run["tokens"] += tokens.numel()
         step += 1
-        if total is None and step in (CALIBRATION_STEPS // 3, CALIBRATION_STEPS):
-            sync(device)
-            if step == CALIBRATION_STEPS // 3:
-                timed_from = (step, time.perf_counter())
-            else:
-                per_step = (time.perf_counter() - timed_from[1]) / (step - timed_from[0])
-                left = config.seconds - (time.perf_counter() - start)
-                total = max(config.warmup + 1, step + int(left / per_step))
-                print(f"calibrated: {per_step * 1000:.0f} ms a step -> {total} steps", flush=True)
-        if step % LOG_EVERY == 0 or step == total:
+        run_length.stepped(step)
+        if step % LOG_EVERY == 0 or step == run_length.total:
             record(step, loss, name)
-        if config.seconds is not None and time.perf_counter() - start > 1.1 * config.seconds:
-            print(f"stopped at step {step} of {total}: past 1.1x the time budget", flush=True)
+        if run_length.overran(step):
             record(step, loss, name)
             break
     sync(device)
