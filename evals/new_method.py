@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import REPO, method_defaults, policy_of
+from helpers import REPO, method_defaults, policy_of
 
 from baselines.{name} import {cls}
 from longflow.methods import locate
@@ -97,7 +97,7 @@ def test_config():
 
 @pytest.mark.skip(reason="to write: the score against a plain transcription of the paper's formula")
 def test_score_matches_the_reference():
-    """Drive one layer with `conftest.drive_layer` on random tensors and compare the held positions
+    """Drive one layer with `helpers.drive_layer` on random tensors and compare the held positions
     and outputs of every step with the reference's."""
 '''
 

@@ -4,11 +4,13 @@ no overwriting."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
 import sys
 
 import pytest
 import yaml
-from helpers import capped, generate, tiny_model
+from helpers import REPO, capped, generate, tiny_model
 
 from evals.new_method import create
 from longflow.errors import UserError
@@ -38,7 +40,23 @@ def test_the_skeleton_runs_under_its_budget(repo, monkeypatch):
     assert len(result.tokens[0]) == 16 and max(result.peak_slots) <= 24
     with pytest.raises(UserError, match="window must be positive"):
         module.MyMethodPolicy(budget=24, window=0)
-    compile(written[2].read_text(), "test_my_method.py", "exec")
+
+
+@pytest.mark.slow
+def test_the_written_test_passes_in_a_copy_of_the_project(tmp_path):
+    """The generated test file runs as the printed command runs it: in a copy of the project's packages,
+    configs and test helpers (not in the repository, whose method configs the other tests enrol while
+    this one runs), its config test passes and its reference test is marked to write."""
+    copy = tmp_path / "project"
+    for folder in ("longflow", "baselines", "evals", "conf", "tests/helpers"):
+        shutil.copytree(REPO / folder, copy / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "tests/conftest.py"):
+        shutil.copy(REPO / name, copy / name)
+    create("my_method", copy)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                             "tests/test_my_method.py"], cwd=copy, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 passed, 1 skipped" in result.stdout, result.stdout
 
 
 def test_an_existing_method_is_not_overwritten(repo):
