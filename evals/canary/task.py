@@ -213,13 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(parser.parse_args(argv))
     size = args.pop("size")
     task, tokenizer = CanaryTask(**args), vocabulary.build()
-    prompts, outputs, reach = [], [], []
+    prompts, outputs, reach, in_prompt = [], [], [], 0
     for program in task.heldout(size):
         item = Item("x", program.question(), str(program.answer))
         prompt = render_prompt(tokenizer, build_messages(item, "math"), thinking=True)
         prompts.append(len(prompt))
         outputs.append(len(tokenizer(program.output(), add_special_tokens=False)["input_ids"]) + 1)  # + EOS
         reach += reach_in_tokens(tokenizer.decode(prompt), program.output(), tokenizer)
+        in_prompt += sum(lines is None for lines in program.reach())
     reach.sort()
     print(f"{task}: {size} held-out items")
     print(f"prompt tokens: mean {statistics.mean(prompts):.0f}; output tokens (with EOS): mean "
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
           f"mean sequence {statistics.mean(prompts) + statistics.mean(outputs):.0f}")
     print(f"reads: {len(reach)}; tokens back to the value read: mean {statistics.mean(reach):.1f}, median "
           f"{reach[len(reach) // 2]}, p90 {reach[int(0.9 * len(reach))]}, p99 {reach[int(0.99 * len(reach))]}, "
-          f"max {reach[-1]}; {sum(d >= 192 for d in reach)} reads 192+ back")
+          f"max {reach[-1]}; {sum(d >= 192 for d in reach)} reads 192+ back; "
+          f"{100 * in_prompt / len(reach):.0f}% of reads take a value still in the prompt only")
     return 0
 
 
