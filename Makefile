@@ -70,8 +70,8 @@ demo: $(ENV)  ## the canary model on 16 canary items, CPU: every method at three
 
 DEMO_SWEEP := build/demo_sweep
 demo-sweep: $(ENV)  ## the paper's figure layouts on the demo: two tiny models, every method at two budgets
-	$(PY) -m evals.run -m experiment=demo model=tiny_qwen3,tiny_llama method=vanilla,streaming,h2o,vatp,rkv,longflow \
-		budget=48,96 limit=3 results_dir=$(DEMO_SWEEP)/runs
+	$(PY) -m evals.run -m model=tiny_qwen3,tiny_llama dataset=demo device=cpu generation.max_new_tokens=128 \
+		method=vanilla,streaming,h2o,vatp,rkv,longflow budget=48,96 limit=3 results_dir=$(DEMO_SWEEP)/runs
 	$(REPORT).table --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)/table --stderr
 	$(REPORT).figures --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)
 	$(REPORT).figures --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP) --only sizes --budget 96
