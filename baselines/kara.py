@@ -29,12 +29,13 @@ Budget (`budget_mode`):
     ranked: Token2Chunk's kept tokens above its dropped ones, each by its score normalised to sum
     1 over its window (so that windows compare; `history_eviction: fifo` ranks by age instead);
     the prompt ranks above every scored token. When a window completes and the cache could not
-    hold the next one (min(W, tokens still to come) slots), the lowest-ranked tokens are freed
-    until it can. A window's dropped tokens therefore go first, as the paper drops them, but only
-    when the memory is needed: with a budget that holds the whole sequence nothing is evicted (the
-    full cache's tokens). W shrinks to a quarter of the budget when an open window would take more
-    than half of it (`shrink_interval`); a prompt longer than budget - W is cut at prefill by SnapKV
-    (the harness's rule for methods without a prompt rule).
+    hold the next one (min(W, tokens still to be stored) slots; the output's last token never
+    is), the lowest-ranked tokens are freed until it can. A window's dropped tokens therefore go
+    first, as the paper drops them, but only when the memory is needed: with a budget that holds
+    the whole sequence nothing is evicted (the full cache's tokens). W shrinks to a quarter of the
+    budget when an open window would take more than half of it (`shrink_interval`); a prompt
+    longer than budget - W is cut at prefill by SnapKV (the harness's rule for methods without a
+    prompt rule).
 
 How it maps onto the slot cache: an interval schedule (decode attention without probabilities,
 every token into the first free slot); the W newest post-RoPE queries of each layer come from the
@@ -162,10 +163,11 @@ class KaraPolicy(KVPolicy):
         return spec.prompt_len + math.ceil(spec.max_new_tokens / self.span) * self.quota + self.span
 
     def prefill_keep(self, spec: CacheSpec) -> int:
-        """cap: room for the first window (or the whole output, when shorter); ratio: the whole prompt."""
+        """cap: room for the first window (or for the whole output, when shorter: the output's last
+        token is never stored, so max_new_tokens - 1 slots); ratio: the whole prompt."""
         if self.budget_mode == "ratio":
             return spec.prompt_len
-        return self.budget - min(self.span, spec.max_new_tokens)
+        return self.budget - min(self.span, spec.max_new_tokens - 1)
 
     def query_window(self) -> int:
         return self.span
@@ -207,11 +209,12 @@ class KaraPolicy(KVPolicy):
         done = [row for row, n in enumerate(self.filled) if n >= self.span]
         if not done:
             return
-        # cap: rows are grouped by the room their next window needs (less near the end of the output)
+        # cap: rows are grouped by the room their next window needs (less near the end of the output,
+        # whose last token is never stored: max_new_tokens - 1 - stored tokens are still to come)
         groups: dict[int, list[int]] = {}
         for row in done:
             self.filled[row] = 0
-            room = max(0, min(self.span, self.spec.max_new_tokens - self.stored[row]))
+            room = max(0, min(self.span, self.spec.max_new_tokens - 1 - self.stored[row]))
             groups.setdefault(room, []).append(row)
         for room, rows in groups.items():
             self.close_window(rows, room)

@@ -130,10 +130,20 @@ def test_cap_mode_frees_dropped_tokens_first_and_only_when_room_is_needed():
     assert set(range(prompt)) <= after and len(after) == 12 and after - set(range(prompt)) <= chosen | second
 
 
-def test_a_budget_that_holds_everything_evicts_nothing():
-    policy = KaraPolicy(40, window=8, ratio=0.25)
+@pytest.mark.parametrize("prompt,steps", [(6, 30), (12, 4)])  # windows that close / an output shorter than W
+def test_a_budget_of_exactly_the_stored_tokens_evicts_nothing(prompt, steps):
+    # `drive` generates steps + 1 tokens and stores steps of them: the last generated one never is.
+    policy = KaraPolicy(prompt + steps, window=8, ratio=0.25)
+    held, _, _ = drive(policy, prompt=prompt, steps=steps)
+    assert held == [set(range(prompt + step + 1)) for step in range(steps)]
+
+
+def test_the_last_window_frees_only_the_room_of_the_tokens_still_to_be_stored():
+    policy = KaraPolicy(20, window=8, ratio=0.5, chunk_width=3)
     held, _, _ = drive(policy, steps=30)
-    assert held[-1] == set(range(6 + 30))
+    # The third window closes after 24 stored tokens; 31 are generated, 30 stored: 6 still to come,
+    # so the cut keeps 20 - 6 = 14 and the last step holds the whole budget.
+    assert len(held[24]) == 14 + 1 and len(held[-1]) == 20
 
 
 def test_window_shrinks_under_a_small_budget_and_bad_fields_are_user_errors():
