@@ -34,7 +34,8 @@ floor(keep_fraction x budget) = 7/8 of it, so a compression every budget/8 gener
 kept: the last `keep_last` (32) tokens and, with `keep_prompt`, the prompt (assumed: the paper's
 "leading prefix" is not sized; RPC, its baseline, keeps the whole prompt). When the prompt and the
 last tokens do not fit in the cut, the prompt's tokens compete by score. Selection per KV head.
-A prompt longer than the budget: SnapKV (the harness's rule; no prefill rule is described).
+A prompt longer than the budget: SnapKV (the harness's rule; no prefill rule is described), or with
+`prefill: by_score` the score, read with the bank each layer builds from its prompt first.
 
 Fields (`conf/method/beaconkv.yaml`): `n_recent` 16, `n_beacons` 16 (0: no bank, the paper's
 (32, 0) ablation point, RPC's observation set), `buffer_size` 32,
@@ -213,14 +214,14 @@ class BeaconKVPolicy(KVPolicy):
         self.prompt_end.copy_(pad.sum(dim=-1))
 
     def store_prompt(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
-        """The prompt's slots (the base class), and the bank: FPS over the prompt's queries before RoPE."""
+        """The bank (FPS over the prompt's queries before RoPE), then the prompt's slots (the base
+        class): a prompt cut by `prefill: by_score` is scored with this layer's own bank."""
+        if self.n_beacons:
+            points = unrotate(q, self.prompt_positions, self.spec.rotary)  # [B, Hq, L, D]
+            indices, picked = farthest_point_sampling(points, self.pad, self.n_beacons)
+            self.beacons[layer].copy_(points.gather(2, indices[..., None].expand(-1, -1, -1, points.shape[-1])))
+            self.beacon_valid.copy_(picked)
         super().store_prompt(layer, q, k, v, scale)
-        if not self.n_beacons:
-            return
-        points = unrotate(q, self.prompt_positions, self.spec.rotary)  # [B, Hq, L, D]
-        indices, picked = farthest_point_sampling(points, self.pad, self.n_beacons)
-        self.beacons[layer].copy_(points.gather(2, indices[..., None].expand(-1, -1, -1, points.shape[-1])))
-        self.beacon_valid.copy_(picked)
 
     def begin_decode(self, positions: torch.Tensor) -> None:
         super().begin_decode(positions)

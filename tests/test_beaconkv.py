@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from baselines.beaconkv import BeaconKVPolicy, farthest_point_sampling, rotate
 from longflow.errors import UserError
-from longflow.policy import Observation
+from longflow.policy import CacheSpec, Observation
 
 HEAD_DIM, THETA = 8, 100.0
 
@@ -180,6 +180,53 @@ def test_the_score_rotates_the_beacons_to_the_current_position():
                         total = sum(math.exp(x - top) for x in logits.values())
                         best = max(best, math.exp(logits[j] - top) / total)
                 assert math.isclose(float(score[row, kv, j]), best, rel_tol=1e-4, abs_tol=1e-6)
+
+
+def test_by_score_cuts_each_layers_prompt_with_that_layers_own_bank():
+    """Two layers, each with its own prompt queries: a prompt longer than the budget cut by the
+    score, whose observation set is the 2 newest prompt queries and that layer's FPS beacons rotated
+    to the last prompt position, the 4 newest tokens protected, the best 4 of the rest kept."""
+    torch.manual_seed(2)
+    layers, length, lengths, budget = 2, 16, [16, 13], 9
+    pad = torch.arange(length) >= (length - torch.tensor(lengths))[:, None]
+    positions = (pad.long().cumsum(dim=-1) - 1).clamp(min=0)
+    before = torch.randn(layers, 2, Q_HEADS, length, HEAD_DIM)  # queries before RoPE
+    q = torch.stack([torch.stack([torch.stack([
+        torch.stack([rope_by_hand(before[layer, b, h, i], int(positions[b, i])) for i in range(length)])
+        for h in range(Q_HEADS)]) for b in range(2)]) for layer in range(layers)])
+    k, v = torch.randn(2, layers, 2, KV_HEADS, length, HEAD_DIM)
+    policy = BeaconKVPolicy(budget, **FIELDS, prefill="by_score")
+    policy.allocate(CacheSpec(batch=2, layers=layers, q_heads=Q_HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                              prompt_len=length, max_new_tokens=4, dtype=torch.float32,
+                              device=torch.device("cpu"), rotary=rope(), scale=HEAD_DIM ** -0.5))
+    policy.begin_prefill(pad, positions)
+    for layer in range(layers):
+        policy.attend(layer, q[layer], *policy.store(layer, k[layer], v[layer]), HEAD_DIM ** -0.5)
+    group = Q_HEADS // KV_HEADS
+    for layer in range(layers):
+        slots = policy.layers[layer]
+        for row, n in enumerate(lengths):
+            first = length - n
+            newest = n - 1
+            for kv in range(KV_HEADS):
+                heads = range(kv * group, (kv + 1) * group)
+                observation = {h: [q[layer, row, h, first + p] for p in (newest - 1, newest)] for h in heads}
+                for h in heads:
+                    points = [before[layer, row, h, first + p] for p in range(n)]
+                    observation[h] += [rope_by_hand(points[i], newest) for i in fps_by_definition(points, 3)]
+                candidates = list(range(n - 4))
+                score = {}
+                for j in candidates:
+                    best = 0.0
+                    for h in heads:
+                        for query in observation[h]:
+                            logits = torch.tensor([float(query @ k[layer, row, kv, first + i]) for i in candidates],
+                                                  dtype=torch.float64) / math.sqrt(HEAD_DIM)
+                            best = max(best, float(torch.softmax(logits, dim=0)[j]))
+                    score[j] = best
+                expected = sorted(sorted(candidates, key=lambda j: -score[j])[:budget - 1 - 4]) + list(range(n - 4, n))
+                held = slots.positions[row, kv][slots.valid[row, kv]].tolist()
+                assert sorted(held) == expected, (layer, row, kv)
 
 
 @pytest.mark.parametrize("beacons", [3, 0])  # 0: no bank, the recent queries alone (the paper's RPC point)
