@@ -14,6 +14,8 @@ sampling, FPS, under cosine distance), and scores the cache with
                       + the `n_beacons` beacons, each rotated by RoPE to the CURRENT position
     score_j         = aggregate (max or mean) over the observation queries and the G query heads
                       of a KV head of softmax_j(q . k_j / sqrt(D)) over the candidate keys
+                      (`softmax_over: held`: over every held key the query sees, its own
+                      position and older; the beacons, at the current one, see all)
 
 so a beacon asks which keys a revisit at this step would attend to.
 
@@ -40,7 +42,8 @@ A prompt longer than the budget: SnapKV (the harness's rule; no prefill rule is 
 Fields (`conf/method/beaconkv.yaml`): `n_recent` 16, `n_beacons` 16 (0: no bank, the paper's
 (32, 0) ablation point, RPC's observation set), `buffer_size` 32,
 `keep_fraction` 0.875, `keep_last` 32 (paper); `keep_prompt` true, `aggregate` max (paper; one
-source reports mean better), `score_on` softmax, `kernel` 7 (assumptions: RPC's average pool).
+source reports mean better), `score_on` softmax, `softmax_over` candidates (RPC's domain; `held`:
+the keys the query's attention covers), `kernel` 7 (assumptions: RPC's average pool).
 
 Notation: n rows, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, Q observation queries,
 P points sampled, D head dim, K beacons.
@@ -61,6 +64,7 @@ from longflow.rotary import rotate_half, unrotate
 
 AGGREGATES = ("max", "mean")
 SCORES_ON = ("softmax", "logits")
+SOFTMAX_OVER = ("candidates", "held")
 # float32 temporaries of one scoring call (the observation queries' logits over the slots) and of
 # one merge (the points of the banks merged together): rows and layers are taken in chunks below it.
 SCORE_BYTES = 1 << 30
@@ -109,18 +113,21 @@ def farthest_point_sampling(points: torch.Tensor, valid: torch.Tensor,
 
 
 def beacon_scores(queries: torch.Tensor, query_valid: torch.Tensor, keys: torch.Tensor,
-                  candidates: torch.Tensor, scale: float, *, aggregate: str, score_on: str,
-                  kernel: int) -> torch.Tensor:
+                  candidates: torch.Tensor, domain: torch.Tensor, scale: float, *, aggregate: str,
+                  score_on: str, kernel: int) -> torch.Tensor:
     """Scores of the candidate keys by the observation queries (recent and re-rotated beacons).
 
-    Per query head h and observation query i: softmax_j(q_hi . k_j x scale) over the candidates
-    (`score_on: softmax`) or the logit itself (`logits`); then `aggregate` (max or mean) over the
-    valid queries and the G query heads of each KV head; then an average over the `kernel`
-    neighbouring candidate slots (slots in position order; only candidates are averaged).
+    Per query head h and observation query i: softmax_j(q_hi . k_j x scale) over the keys of
+    query i's `domain` (`score_on: softmax`) or the logit itself (`logits`); then `aggregate` (max
+    or mean) over the valid queries and the G query heads of each KV head, at the candidates; then
+    an average over the `kernel` neighbouring candidate slots (slots in position order; only
+    candidates are averaged).
 
     Args:
         queries: `[n, Hq, Q, D]` after RoPE; query_valid: `[n, Q]` bool.
         keys: `[n, Hkv, S, D]`; candidates: `[n, Hkv, S]` bool.
+        domain: `[n, Hkv, Q, S]` bool (or broadcastable), the keys each query's softmax runs over;
+            it holds every candidate.
 
     Returns:
         `[n, Hkv, S]` float32, -inf outside the candidates.
@@ -131,7 +138,7 @@ def beacon_scores(queries: torch.Tensor, query_valid: torch.Tensor, keys: torch.
     logits = torch.matmul(grouped, keys.float().transpose(-1, -2)) * scale  # [n, Hkv, G*Q, S]
     logits = logits.view(rows, kv_heads, q_heads // kv_heads, count, -1)
     outside = ~candidates[:, :, None, None]
-    values = logits.masked_fill(outside, float("-inf"))
+    values = logits.masked_fill(~domain[:, :, None], float("-inf"))
     if score_on == "softmax":
         values = torch.softmax(values, dim=-1).nan_to_num(0.0)
     used = query_valid[:, None, None, :, None]  # [n, 1, 1, Q, 1]
@@ -162,6 +169,7 @@ class BeaconKVPolicy(KVPolicy):
     keep_prompt: bool = True
     aggregate: str = "max"
     score_on: str = "softmax"
+    softmax_over: str = "candidates"
     kernel: int = 7
 
     name = "beaconkv"
@@ -172,6 +180,7 @@ class BeaconKVPolicy(KVPolicy):
         super().__post_init__()
         one_of(self.name, "aggregate", self.aggregate, AGGREGATES)
         one_of(self.name, "score_on", self.score_on, SCORES_ON)
+        one_of(self.name, "softmax_over", self.softmax_over, SOFTMAX_OVER)
         if self.n_recent < 0 or self.n_beacons < 0 or self.n_recent + self.n_beacons < 1:
             raise UserError(f"{self.name}: needs n_recent, n_beacons >= 0, not both 0, got {self.n_recent}, "
                             f"{self.n_beacons}")
@@ -303,22 +312,31 @@ class BeaconKVPolicy(KVPolicy):
         queries and the beacons rotated to the newest position."""
         rows = self._rows(obs)
         newest = obs.newest
-        queries, query_valid = [], []
+        queries, query_valid, query_positions = [], [], []
         if self.n_recent:
-            recent, _, recent_valid = self.history.recent(obs.layer, newest, rows, self.n_recent)
+            recent, positions, recent_valid = self.history.recent(obs.layer, newest, rows, self.n_recent)
             queries.append(recent.float())
             query_valid.append(recent_valid)
+            query_positions.append(positions)
         if self.n_beacons:
             beacons = self.beacons[obs.layer].index_select(0, rows)
-            queries.append(rotate(beacons, newest[:, None].expand(-1, self.n_beacons), self.spec.rotary))
+            at_newest = newest[:, None].expand(-1, self.n_beacons)
+            queries.append(rotate(beacons, at_newest, self.spec.rotary))
             query_valid.append(self.beacon_valid.index_select(0, rows))
+            query_positions.append(at_newest)
         queries, query_valid = torch.cat(queries, dim=2), torch.cat(query_valid, dim=-1)
         candidates = obs.valid & ~self.protected(obs)
+        if self.softmax_over == "candidates":
+            domain = candidates[:, :, None]  # [n, Hkv, 1, S]
+        else:  # causal: a recent query sees no newer key (the candidates are older than all of them)
+            seen = obs.positions[:, :, None, :] <= torch.cat(query_positions, dim=-1)[:, None, :, None]
+            domain = obs.valid[:, :, None] & seen  # [n, Hkv, Q, S]
         keys = obs.keys
         step = max(1, SCORE_BYTES // (TEMPORARIES * 4 * queries.shape[1] * queries.shape[2] * keys.shape[2]))
         return torch.cat([
             beacon_scores(queries[i:i + step], query_valid[i:i + step], keys[i:i + step], candidates[i:i + step],
-                          obs.scale, aggregate=self.aggregate, score_on=self.score_on, kernel=self.kernel)
+                          domain[i:i + step], obs.scale, aggregate=self.aggregate, score_on=self.score_on,
+                          kernel=self.kernel)
             for i in range(0, len(rows), step)
         ])
 

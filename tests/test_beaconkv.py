@@ -151,8 +151,9 @@ def test_the_bank_is_fps_of_the_prompt_then_merged_with_the_new_queries():
     assert policy.appended == [0, 0]
 
 
-def test_the_score_rotates_the_beacons_to_the_current_position():
-    policy = BeaconKVPolicy(64, **FIELDS)
+@pytest.mark.parametrize("softmax_over", ["candidates", "held"])
+def test_the_score_rotates_the_beacons_to_the_current_position(softmax_over):
+    policy = BeaconKVPolicy(64, **FIELDS, softmax_over=softmax_over)
     before, pad, _ = drive(policy, steps=3)
     rows = torch.arange(2)
     score = policy.score(Observation(policy, 0, rows=rows, newest=policy.written(rows)))  # as at a compression
@@ -160,11 +161,11 @@ def test_the_score_rotates_the_beacons_to_the_current_position():
     group = Q_HEADS // KV_HEADS
     for row in range(2):
         newest = int(slots.positions[row].max())
-        # The 2 newest queries at their own positions, the 3 beacons at the newest one.
-        observation = [torch.stack([rope_by_hand(before[(row, p)][h], p) for h in range(Q_HEADS)])
+        # The 2 newest queries at their own positions, the 3 beacons at the newest one: (position, query).
+        observation = [(p, torch.stack([rope_by_hand(before[(row, p)][h], p) for h in range(Q_HEADS)]))
                        for p in (newest - 1, newest)]
-        observation += [torch.stack([rope_by_hand(policy.beacons[0][row, h, i], newest) for h in range(Q_HEADS)])
-                        for i in range(3)]
+        observation += [(newest, torch.stack([rope_by_hand(policy.beacons[0][row, h, i], newest)
+                                              for h in range(Q_HEADS)])) for i in range(3)]
         for kv in range(KV_HEADS):
             held = [j for j in range(slots.slots) if slots.valid[row, kv, j]]
             candidates = [j for j in held if slots.positions[row, kv, j] <= newest - 4]
@@ -173,9 +174,13 @@ def test_the_score_rotates_the_beacons_to_the_current_position():
                     assert score[row, kv, j] == float("-inf")
                     continue
                 best = -1.0
-                for query in observation:
+                for position, query in observation:
+                    # candidates: RPC's softmax over the candidate keys; held: over every held key up
+                    # to the query's own position (all of them for the beacons, at the newest)
+                    domain = candidates if softmax_over == "candidates" else \
+                        [i for i in held if slots.positions[row, kv, i] <= position]
                     for h in range(kv * group, (kv + 1) * group):
-                        logits = {i: float(query[h] @ slots.keys[row, kv, i]) / math.sqrt(HEAD_DIM) for i in candidates}
+                        logits = {i: float(query[h] @ slots.keys[row, kv, i]) / math.sqrt(HEAD_DIM) for i in domain}
                         top = max(logits.values())
                         total = sum(math.exp(x - top) for x in logits.values())
                         best = max(best, math.exp(logits[j] - top) / total)
@@ -253,6 +258,8 @@ def test_keep_prompt_keeps_the_prompt_while_it_fits():
 def test_bad_fields_are_user_errors():
     with pytest.raises(UserError, match="aggregate"):
         BeaconKVPolicy(64, aggregate="sum")
+    with pytest.raises(UserError, match="softmax_over"):
+        BeaconKVPolicy(64, softmax_over="all")
     with pytest.raises(UserError, match="buffer_size"):
         BeaconKVPolicy(64, buffer_size=16)
     with pytest.raises(UserError, match="too small"):
