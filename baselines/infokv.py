@@ -38,7 +38,8 @@ shifted by one position, and written with D^l into the kept prompt slots.
 Schedule: an interval method. The paper (and RPC) recompresses every `compress_every` (1024)
 generated tokens to a ratio of them; under the harness's cap the cache fills to `budget` and is
 cut to budget - compress_every (R-KV's capped form; a budget at or below the interval shrinks it,
-and a cut that would keep no more than the window halves the window, both with a warning).
+and a cut that would keep no more than the window sets the window to half the slots the cut
+keeps, both with a warning).
 A prompt longer than the budget is cut at prefill by SnapKV (one selection per layer): E is only
 known after the prompt's forward, when each layer has already stored its prompt (see docs).
 
