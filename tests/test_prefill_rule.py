@@ -74,6 +74,44 @@ def test_by_score_keeps_the_tokens_the_score_ranks_top(n_sink):
         assert held[b] == [expected] * KV_HEADS
 
 
+def official_snapkv(q, k, keep, heads, window=32, kernel=5):
+    """SnapKV's official rule (`SnapKVCluster.update_kv`) for one unpadded row, with loops: q `[Hq,
+    n, D]`, k `[Hkv, n, D]` -> the kept positions. Each window query's softmax over every key it
+    sees (causal); its rows summed over the window queries and the query heads `heads`, at the keys
+    before the window only; those sums average-pooled over `kernel` (zero beyond them); the top
+    keep - window of them, and the window."""
+    q_heads, n, dim = q.shape
+    group, scored = q_heads // k.shape[0], n - window
+    sums = torch.zeros(scored, dtype=torch.float64)
+    for h in heads:
+        for t in range(scored, n):
+            logits = torch.tensor([float(q[h, t] @ k[h // group, j]) * dim ** -0.5 for j in range(t + 1)],
+                                  dtype=torch.float64)
+            sums += torch.softmax(logits, dim=0)[:scored]
+    half = kernel // 2
+    pooled = [float(sums[max(0, j - half):j + half + 1].sum()) / kernel for j in range(scored)]
+    return top(pooled, keep - window) + list(range(scored, n))
+
+
+@pytest.mark.parametrize("policy", ["longflow", "per_kv_head"])
+def test_snapkv_is_the_official_rule(policy):
+    """Rows of 60 and 50 real tokens (left padding) above the budget of 41, one of 20 below it."""
+    budget, length, lengths = 41, 60, [60, 50, 20]
+    q, k, v, pad = prompt(lengths, length, seed=2)
+    if policy == "longflow":  # one selection per layer: every query head's attention summed
+        held = prefill(LongFlowPolicy(budget), q, k, v, pad)
+    else:
+        held = prefill(KeyDiffPolicy(budget, compress_every=4, prefill="snapkv"), q, k, v, pad)
+    group = Q_HEADS // KV_HEADS
+    for b, n in enumerate(lengths):
+        row = slice(length - n, length)
+        for h in range(KV_HEADS):
+            heads = range(Q_HEADS) if policy == "longflow" else range(h * group, (h + 1) * group)
+            expected = official_snapkv(q[b, :, row], k[b, :, row], budget - 1, heads) if n > budget - 1 \
+                else list(range(n))
+            assert held[b][h] == expected
+
+
 def test_snapkv_stays_the_default_and_chooses_otherwise():
     q, k, v, pad = prompt([30, 24, 6], 30)
     assert LongFlowPolicy(10).prefill == "snapkv"
