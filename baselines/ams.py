@@ -8,10 +8,11 @@ docs/methods.md, "AMS").
 An interval method: every `compress_every` steps (512) a full cache of T = budget slots keeps
 t = budget - compress_every, per KV head, in position order. At each compression, per layer:
 
-  1. window evidence: the attention of the last W = min(`window_size`, T - 1, t) queries (causal)
-     over the slots before the window, averaged over the W queries, average-pooled over
-     `window_kernel` (5) neighbours, averaged over the G query heads of each KV head; the W window
-     slots get the maximum of the row;
+  1. window evidence: the attention of the last W = min(`window_size`, I - 1, T - 1, t) queries
+     (causal) over the slots before the window (I: the interval in force, the decode queries the
+     official trigger has buffered at a compression, at most its buffer of 256), averaged over the
+     W queries, average-pooled over `window_kernel` (5) neighbours, averaged over the G query heads
+     of each KV head; the W window slots get the maximum of the row;
   2. mass = normalize(relu(evidence) + 1e-12) over the slots; with `use_credit`, a per-slot credit
      (kept in the cache, moved with its slot, 0 for a new token) becomes `credit_decay` x credit +
      (1 - credit_decay) x mass, and the mass used is normalize(`mix_beta` x mass + (1 - mix_beta) x
@@ -67,6 +68,9 @@ from longflow.selection import choose_keep, chosen_mask
 from longflow.slots import SlotState
 
 SEGMENT_OVER = ("row", "batch")
+# The official trigger (`DecodingPress.hidden_states_buffer_size`, AMS_DEFAULTS) buffers at most this
+# many decode hidden states, from which the press recomputes its window queries.
+HIDDEN_STATES_BUFFER = 256
 
 
 def to_mass(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
@@ -250,7 +254,10 @@ class AMSPolicy(KVPolicy):
         """The slots a compression keeps, `[n, Hkv, T]` bool (see the module docstring, steps 1-6)."""
         keys, positions = obs.keys, obs.positions
         rows, kv_heads, slots, _ = keys.shape
-        window = min(self.window_size, slots - 1, count)
+        # The official window stops one short of the queries buffered since the last compression (one
+        # interval), which bounds it when the interval is at most `window_size`.
+        buffered = min(self.budget - self.keep_after, HIDDEN_STATES_BUFFER)
+        window = min(self.window_size, max(buffered - 1, 1), slots - 1, count)
         queries, query_positions, _ = obs.queries(window)
         evidence = window_evidence(queries, query_positions, keys, positions, self.window_kernel)
         score = self.scorer.score(obs).expand(rows, kv_heads, slots).float()

@@ -218,6 +218,7 @@ def full_cache(policy: AMSPolicy, batch=2, kv_heads=2, q_heads=4, slots=64, head
     dict(segment_mass=0.1, min_seg_len=3, max_seg_len=12, min_keep_per_segment=2, always_keep_last=5, n_sink=2),
     dict(segment_mass=0.05, min_seg_len=1, max_seg_len=64, min_keep_per_segment=8, window_size=6),  # base >= t
     dict(always_keep_last=30, window_size=16, min_seg_len=4, segment_mass=0.1),  # mostly must-keep
+    dict(window_size=32),  # the interval of 24 bounds the window: 23 queries
 ])
 @pytest.mark.parametrize("segment_over", ["row", "batch"])
 def test_a_compression_is_the_transcription(params, segment_over):
@@ -229,7 +230,9 @@ def test_a_compression_is_the_transcription(params, segment_over):
     layer, positions = full_cache(policy)
     before = {name: tensor.clone() for name, tensor in (("keys", layer.keys), ("credit", layer.state["credit"]))}
     keep, slots, kv_heads = policy.keep_after, 64, 2
-    window = min(config["window_size"], slots - 1, keep)
+    # The official press: W = min(window_size, max(q_len - 1, 1), k_len - 1, t_keep), q_len the hidden
+    # states its trigger buffered, one interval's (at most 256).
+    window = min(config["window_size"], max(min(config["compress_every"], 256) - 1, 1), slots - 1, keep)
     ring = policy.history.rings[0]
     masses, credits = [], []
     for row in range(2):
