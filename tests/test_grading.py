@@ -202,6 +202,30 @@ def test_latex_golds_that_are_numbers_take_the_relative_tolerance(gold_text, pre
     assert math_grade(boxed(pred), gold_text).correct is correct
 
 
+@pytest.mark.parametrize("index, gold_text, pred, correct", [
+    # 4 * 999^4 / 27 = 147556443852; a float tolerance would take its neighbours and 147550000000.
+    (111, "$\\frac{4 \\cdot 999^{4}}{27}$", "147556443852", True),
+    (111, "$\\frac{4 \\cdot 999^{4}}{27}$", "147556443853", False),
+    (111, "$\\frac{4 \\cdot 999^{4}}{27}$", "147550000000", False),
+    (111, "$\\frac{4 \\cdot 999^{4}}{27}$", "1.47556443852 \\times 10^{11}", True),
+    # 100!/2^50 has 143 digits and 2^1009 has 304: equal as floats to the integer beside them.
+    (35, "$\\frac{100!}{2^{50}}$", "\\frac{100!}{2^{50}}+1", False),
+    (35, "$\\frac{100!}{2^{50}}$", "\\frac{2 \\cdot 100!}{2^{51}}", True),
+    (2, "$2^{1009}$", "2^{1009}-1", False),
+    (2, "$2^{1009}$", "2 \\cdot 2^{1008}", True),
+])
+def test_integer_golds_are_compared_exactly(gold, index, gold_text, pred, correct):
+    assert math_grade(boxed(pred), gold("olympiad", index, gold_text)).correct is correct
+
+
+@pytest.mark.parametrize("pred, correct", [
+    ("27", True), ("27.0", True), ("(\\log_2 8)^3", True), ("27.001", False),
+    ("27.0000000000000001", False), ("\\sqrt{729}", True), ("26.9999", False),
+])
+def test_a_latex_gold_that_is_an_integer_is_exact(pred, correct):
+    assert math_grade(boxed(pred), "\\frac{4 \\cdot 27}{4}").correct is correct
+
+
 @pytest.mark.parametrize("index, gold_text", [
     (30, "52_8"), (70, "40_9"), (71, "2516_8"), (127, "4210_{5}"), (338, "4343_6"),
 ])

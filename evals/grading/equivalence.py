@@ -3,10 +3,12 @@
 Numbers are compared here, not by math-verify: a gold that is a number, written plainly ("27.0",
 "4.5e33", Minerva's Python-ish "np.arcsin(10/13)") or as LaTeX that evaluates to one
 ("\\frac{8}{3}", "\\cos^{10}(\\frac{\\pi}{10})"), matches an answer that evaluates to a number
-exactly when the gold is an integer and within a relative 1e-4 otherwise. math-verify compares
-numbers after rounding to 6 decimals (1e-8 == 2e-8) and reads "4.5e33" with Euler's e. Everything
-else (expressions with variables, tuples, intervals, sets, equations, text) goes through
-math-verify's `verify(gold, pred)`.
+exactly when the gold is an integer and within a relative 1e-4 otherwise. Integer-ness and exact
+equality are decided in rationals ("\\frac{100!}{2^{50}}" is an integer, and "+1" changes it);
+floats would make every integer past 2^53 equal to its neighbours. math-verify compares numbers
+after rounding to 6 decimals (1e-8 == 2e-8) and reads "4.5e33" with Euler's e. Everything else
+(expressions with variables, tuples, intervals, sets, equations, text) goes through math-verify's
+`verify(gold, pred)`.
 
 math-verify bounds its work with signal.alarm, so everything here runs in the main thread.
 """
@@ -19,7 +21,7 @@ import re
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import product
 
 import sympy
@@ -32,7 +34,10 @@ REL_TOL = 1e-4
 
 # "4.5e33", "1e-8", "3.21E+5" as a whole number token (not "2e^{t}" or "x1e5").
 _E_NOTATION = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]\+?(-?\d+)(?![\w.])")
-_INTEGER = re.compile(r"[+-]?\d+(?:\.0*)?")
+# A plain decimal ("27.0", "025", "-.5"): its digits are its exact value. "4.5e33" is a measurement.
+_DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)")
+# Past 2^53 a float stands for several integers, so it cannot answer an integer gold exactly.
+_EXACT_FLOAT_INTEGERS = 2**53
 _LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
 
 
@@ -73,26 +78,44 @@ def _definitions_dropped(gold: Answer, pred: Answer) -> tuple[Answer, Answer]:
     return gold, pred
 
 
-def _numbers_match(gold: tuple[complex, bool], gold_percent: bool, pred: tuple[complex, bool],
-                   pred_percent: bool) -> bool:
-    """`gold` and `pred` are (value, is an exact integer). A side written with a percent sign also
-    matches through its value divided by 100 ("60\\%" answers 0.6, and 0.625 answers "62.5%")."""
-    (gold_value, exact), (pred_value, _) = gold, pred
+@dataclass(frozen=True)
+class _Number:
+    """A side that is one number: `approx` for the relative tolerance, and `exact`, its (real,
+    imaginary) parts as rationals when it has them ("\\frac{54}{2}", "27.0"; not
+    "\\sqrt{2}", nor a float computed in LaTeX such as "2.7 \\times 10^{1}")."""
+
+    approx: complex
+    exact: tuple[sympy.Rational, sympy.Rational] | None
+
+    @property
+    def is_integer(self) -> bool:
+        return self.exact is not None and all(part.is_integer for part in self.exact)
+
+
+def _numbers_match(gold: _Number, gold_percent: bool, pred: _Number, pred_percent: bool) -> bool:
+    """A side written with a percent sign also matches through its value divided by 100 ("60\\%"
+    answers 0.6, and 0.625 answers "62.5%")."""
     for gold_scale, pred_scale in product((1, 100) if gold_percent else (1,), (1, 100) if pred_percent else (1,)):
-        scaled_gold, scaled_pred = gold_value / gold_scale, pred_value / pred_scale
-        if exact and gold_scale == pred_scale == 1:
-            if scaled_pred == scaled_gold:
+        if gold.is_integer and gold_scale == pred_scale == 1:
+            if _equals_integer(gold, pred):
                 return True
-        elif abs(scaled_pred - scaled_gold) <= REL_TOL * abs(scaled_gold):
+        elif abs(pred.approx / pred_scale - gold.approx / gold_scale) <= REL_TOL * abs(gold.approx / gold_scale):
             return True
     return False
 
 
-def _value(text: str, timeout: int) -> tuple[complex, bool] | None:
-    """(value, whether it is an exact integer) of an answer that is a single number, else None."""
+def _equals_integer(gold: _Number, pred: _Number) -> bool:
+    if pred.exact is not None:
+        return pred.exact == gold.exact
+    return pred.approx == gold.approx and all(abs(part) < _EXACT_FLOAT_INTEGERS for part in gold.exact)
+
+
+def _value(text: str, timeout: int) -> _Number | None:
+    """The number an answer is, or None when it is not a single number."""
     literal = _literal_number(text)
     if literal is not None:
-        return complex(literal), _INTEGER.fullmatch(text) is not None
+        exact = (sympy.Rational(text), sympy.Integer(0)) if _DECIMAL.fullmatch(text) else None
+        return _Number(complex(literal), exact)
     return _number(_parse(text, timeout), timeout)
 
 
@@ -118,9 +141,8 @@ def _verify(gold: list, pred: list, timeout: int) -> bool:
     return False
 
 
-def _number(parsed: list, timeout: int) -> tuple[complex, bool] | None:
-    """(value, whether it is an exact integer) of a parsed answer, or None when it is not a single
-    number."""
+def _number(parsed: list, timeout: int) -> _Number | None:
+    """The number a parsed answer is, or None when it is not a single number."""
     expr = next((item for item in parsed if isinstance(item, sympy.Basic)), None)
     if not isinstance(expr, sympy.Expr):
         return None
@@ -128,13 +150,17 @@ def _number(parsed: list, timeout: int) -> tuple[complex, bool] | None:
         if not expr.is_number:
             return None
         try:
-            value = complex(expr)
+            approx = complex(expr)
         except (TypeError, ValueError, OverflowError, ZeroDivisionError):
             return None
-        exact = expr.is_integer is True  # "2^{10}", "\\frac{54}{2}"; a Float such as 27.0 never is
-    if not (math.isfinite(value.real) and math.isfinite(value.imag)):
-        return None
-    return value, bool(exact)
+        if not (math.isfinite(approx.real) and math.isfinite(approx.imag)):
+            return None
+        # math-verify's parse is unevaluated ("\\frac{4 \\cdot 999^{4}}{27}" stays a quotient, whose
+        # is_integer sympy leaves undecided); doit() evaluates it, only now that the value is known
+        # to be finite, so a tower of powers is never expanded into its digits.
+        real, imaginary = expr.doit().as_real_imag()
+    exact = (real, imaginary) if real.is_Rational and imaginary.is_Rational else None
+    return _Number(approx, exact)
 
 
 @contextmanager
