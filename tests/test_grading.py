@@ -226,6 +226,32 @@ def test_a_latex_gold_that_is_an_integer_is_exact(pred, correct):
     assert math_grade(boxed(pred), "\\frac{4 \\cdot 27}{4}").correct is correct
 
 
+@pytest.mark.parametrize("name, index, gold_text, pred, correct", [
+    # e^{2it} / (2+2i) = (1-i) e^{2it} / 4, however the i and t are spaced.
+    ("minerva", 87, "\\frac{e^{2 i t}}{(2+2 i)}", "\\frac{e^{2it}}{2+2i}", True),
+    ("minerva", 87, "\\frac{e^{2 i t}}{(2+2 i)}", "\\frac{1-i}{4}e^{2it}", True),
+    ("minerva", 87, "\\frac{e^{2 i t}}{(2+2 i)}", "\\frac{1+i}{4}e^{2it}", False),
+    ("minerva", 87, "\\frac{e^{2 i t}}{(2+2 i)}", "\\frac{e^{2t}}{2+2}", False),
+    ("math500", 20, "6+9i", "6+9 i", True),
+    ("math500", 20, "6+9i", "9i + 6", True),
+    ("math500", 20, "6+9i", "6-9i", False),
+    ("minerva", 93, "-2+2 \\sqrt{3} i", "-2+2i\\sqrt{3}", True),
+    ("minerva", 93, "-2+2 \\sqrt{3} i", "4e^{2\\pi i/3}", True),
+    ("minerva", 93, "-2+2 \\sqrt{3} i", "-2-2i\\sqrt{3}", False),
+])
+def test_a_standalone_i_is_the_imaginary_unit(gold, name, index, gold_text, pred, correct):
+    assert math_grade(boxed(pred), gold(name, index, gold_text)).correct is correct
+
+
+@pytest.mark.parametrize("gold_text, pred, correct", [
+    ("-1", "i^2", True), ("1", "i^2", False), ("0", "i^4 - 1", True),
+    # A subscript i is part of a name, and a summation index is bound: neither is the unit.
+    ("x_i + 1", "x_{i}+1", True), ("x_i + 1", "x_j + 1", False), ("\\sum_{i=1}^{n} i", "\\frac{n(n+1)}{2}", True),
+])
+def test_i_as_the_unit_and_as_part_of_a_name(gold_text, pred, correct):
+    assert math_grade(boxed(pred), gold_text).correct is correct
+
+
 @pytest.mark.parametrize("index, gold_text", [
     (30, "52_8"), (70, "40_9"), (71, "2516_8"), (127, "4210_{5}"), (338, "4343_6"),
 ])

@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from itertools import product
 
 import sympy
+from latex2sympy2_extended.sets import FiniteSet
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
@@ -81,7 +82,7 @@ def _definitions_dropped(gold: Answer, pred: Answer) -> tuple[Answer, Answer]:
 @dataclass(frozen=True)
 class _Number:
     """A side that is one number: `approx` for the relative tolerance, and `exact`, its (real,
-    imaginary) parts as rationals when it has them ("\\frac{54}{2}", "27.0"; not
+    imaginary) parts as rationals when it has them ("\\frac{54}{2}", "27.0", "6+9i"; not
     "\\sqrt{2}", nor a float computed in LaTeX such as "2.7 \\times 10^{1}")."""
 
     approx: complex
@@ -120,9 +121,33 @@ def _value(text: str, timeout: int) -> _Number | None:
 
 
 def _parse(text: str, timeout: int) -> list:
-    """math-verify's parse of `text` as one LaTeX formula, with e-notation made explicit."""
+    """math-verify's parse of `text` as one LaTeX formula, with e-notation made explicit and its
+    letters read alike on every side (`_letters_read_alike`)."""
     latex = _E_NOTATION.sub(r"\1\\times 10^{\2}", text)
-    return parse(f"${latex}$", parsing_timeout=timeout, raise_on_error=True)
+    parsed = parse(f"${latex}$", parsing_timeout=timeout, raise_on_error=True)
+    return [_letters_read_alike(item) if isinstance(item, sympy.Basic) else item for item in parsed]
+
+
+def _letters_read_alike(expr: sympy.Basic) -> sympy.Basic:
+    """`expr` with a standalone i as the imaginary unit and every other letter a real symbol.
+
+    math-verify never reads i as the unit, and makes all the letters of a text complex symbols when
+    it sees an i standing alone, real ones otherwise: "e^{2 i t}" and "e^{2it}" hold two different
+    t's (and i's), "x_{i}" and "x_i" two different x_i's, so neither matches the other. Real is what
+    math-verify reads in a text without i. Only a standalone i is the unit: a subscript is part of
+    its symbol's name ("x_i", "v_{i}" are the symbols x_i, v_i) and a summation index is bound, not
+    free; an i that was meant as a variable is read as the unit on both sides alike."""
+    replacements = {}
+    for symbol in expr.free_symbols:
+        if isinstance(symbol, sympy.Symbol):
+            alike = sympy.I if symbol.name == "i" else sympy.Symbol(symbol.name, real=True)
+            if alike != symbol:
+                replacements[symbol] = alike
+    if not replacements:
+        return expr
+    if isinstance(expr, FiniteSet):  # its own `_unsorted_args` keep the duplicates a list may hold
+        return FiniteSet(*(_letters_read_alike(element) for element in expr._unsorted_args))
+    return expr.xreplace(replacements)
 
 
 def _verify(gold: list, pred: list, timeout: int) -> bool:
