@@ -306,10 +306,23 @@ def test_the_name_an_answer_defines_is_not_part_of_it(gold_text, pred, correct):
 @pytest.mark.parametrize("gold_text, pred, correct", [
     ("1000.99", "1000,99", True), ("1.22", "1,22", True), ("0.111", "0,111", True), ("1.22", "1,23", False),
     ("1234", "1,234", True),  # a group of three after a non-zero: thousands
-    ("1.234", "1,234", False),
+    ("1.234", "1,234", False), ("1.5", "1,5", True),
+    # An integer gold asks for one integer: "3,0" is the two answers 3 and 0, not 3.0.
+    ("3", "3,0", False), ("27.0", "27,0", False),
 ])
 def test_a_comma_that_cannot_separate_thousands_is_a_decimal_comma_against_a_number(gold_text, pred, correct):
     assert math_grade(boxed(pred), gold_text).correct is correct
+
+
+@pytest.mark.parametrize("name, index, gold_text, pred, correct", [
+    # The roots -3 and 0, -2 and 1, the values 2500 and 7500: never the numbers -3.0, -2.1, 2500.75.
+    ("olympiad", 168, "-3,0", "-3", False), ("olympiad", 168, "-3,0", "-3.0", False),
+    ("olympiad", 168, "-3,0", "0, -3", True),
+    ("math500", 456, "-2,1", "-2.1", False), ("math500", 456, "-2,1", "1, -2", True),
+    ("olympiad", 87, "2500,7500", "2500.75", False),
+])
+def test_a_comma_in_a_gold_separates_answers(gold, name, index, gold_text, pred, correct):
+    assert math_grade(boxed(pred), gold(name, index, gold_text)).correct is correct
 
 
 # --- the gold self-check --------------------------------------------------------------------------
@@ -517,6 +530,7 @@ def test_grade_many_from_a_script_without_a_main_guard_raises(tmp_path):
 # Cases of the other graders' test tables where we decide otherwise on purpose; each convention is
 # in docs/protocol.md ("Conventions where other graders differ").
 CONVENTIONS = {
+    7: "a comma in a gold separates answers ('1,22' is 1 and 22), as in every list gold of the benchmarks",
     115: "the last box is the answer; a later 'final answer is $X$' without a box is not read",
     126: "a LaTeX line break (\\\\) inside a box is not removed: '-2 \\\\le x' is not '-2 \\le x'",
     199: "GPQA: a letter is read only when stated ('Answer: X', 'the answer is X', '(X)', 'X.' first)",
@@ -533,14 +547,14 @@ def test_agreement_with_the_peers_cases():
     """tests/data/grading_cases.jsonl: gold / output / verdict cases taken from other projects' grader
     tests (Math-Verify, lighteval, NeMo-Skills, hendrycks/math, OlympiadBench, simple-evals), each with
     its repository, file and commit. An answer that was a bare string is graded boxed, since the
-    protocol reads boxes; see docs/protocol.md. Agreement must stay >= 97%, and every disagreement
+    protocol reads boxes; see docs/protocol.md. Agreement must stay >= 96%, and every disagreement
     must be one of the conventions above."""
     cases = [json.loads(line) for line in (REPO / "tests" / "data" / "grading_cases.jsonl").open(encoding="utf-8")]
     assert len(cases) >= 300
     disagreements = {case["id"] for case in cases
                      if grade(case["kind"], case["output"], case["gold"], thinks=False).correct != case["expected"]}
     assert disagreements == set(CONVENTIONS), sorted(disagreements ^ set(CONVENTIONS))
-    assert 1 - len(disagreements) / len(cases) >= 0.97
+    assert 1 - len(disagreements) / len(cases) >= 0.96
 
 
 LAUNCHER_START_METHOD = """

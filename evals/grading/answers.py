@@ -121,7 +121,8 @@ def definition(text: str) -> tuple[str, str] | None:
 
 def decimal_comma(text: str) -> str | None:
     """"1000,99" as "1000.99" when the comma cannot be a thousands separator ("1,22", "0,111"), else
-    None. Only read so when the other side is a single number: "2500,7500" is also a list."""
+    None. Only an answer is read so, against a gold that is one number but not an integer: "-2,1"
+    and "2500,7500" are also lists, and the benchmarks' golds write every list so."""
     match = _DECIMAL_COMMA.fullmatch(text)
     if match is None or (len(match.group(2)) == 3 and match.group(1).lstrip("+-") != "0"):
         return None

@@ -52,14 +52,13 @@ def equivalent(gold: Answer, pred: Answer, timeout: int) -> bool:
         digits, base = numeral
         return pred.text.upper() == digits or base_numeral(pred.text) == numeral
     gold_value = _value(gold.text, timeout)
-    gold_comma = decimal_comma(gold.text) if gold_value is None else None
-    if gold_value is not None or gold_comma is not None:
+    if gold_value is not None:
         pred_value = _value(pred.text, timeout)
-        if pred_value is None and gold_value is not None and (pred_comma := decimal_comma(pred.text)):
+        # "1,22" answers 1.22; a comma in a gold always separates answers ("-3,0", "-2,1"), and
+        # against an integer gold "3,0" is the list 3, 0 rather than 3.0, an unlikely spelling of 3.
+        if pred_value is None and not gold_value.is_integer and (pred_comma := decimal_comma(pred.text)):
             pred_value = _value(pred_comma, timeout)
-        if gold_value is None and pred_value is not None:
-            gold_value = _value(gold_comma, timeout)
-        if gold_value is not None and pred_value is not None:
+        if pred_value is not None:
             return _numbers_match(gold_value, gold.percent, pred_value, pred.percent)
     return _verify(_parse(gold.text, timeout), _parse(pred.text, timeout), timeout)
 
