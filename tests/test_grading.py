@@ -134,6 +134,38 @@ def test_olympiad_list_is_not_a_thousands_number(gold):
     assert not math_grade(boxed("2500"), gold_text).correct
 
 
+@pytest.mark.parametrize("index, gold_text, pred, correct", [
+    # a = b = -2: two answers, both -2. math-verify's set of "-2,-2" is {-2}.
+    (285, "-2,-2", "-2", False), (285, "-2,-2", "-2, -2", True), (285, "-2,-2", "a=-2, b=-2", True),
+    (285, "-2,-2", "(-2,-2)", True), (285, "-2,-2", "-2, 2", False), (285, "-2,-2", "-2,-2,-2", False),
+    (199, "16,3,1,1", "16,3,1", False), (199, "16,3,1,1", "1, 1, 3, 16", True), (199, "16,3,1,1", "16,3,3,1", False),
+    (199, "16,3,1,1", "16,3,1,1,1", False),
+])
+def test_list_golds_are_multisets(gold, index, gold_text, pred, correct):
+    assert math_grade(boxed(pred), gold("olympiad", index, gold_text)).correct is correct
+
+
+def test_one_box_per_answer_keeps_repeated_answers(gold):
+    gold_text = gold("olympiad", 285, "-2,-2")
+    assert math_grade("</think>$a = \\boxed{-2}$ and $b = \\boxed{-2}$.", gold_text).correct
+    # An output that boxes its answers, then boxes them again in a summary.
+    two_answers = "</think>\\boxed{2500}, \\boxed{7500}. So: \\boxed{2500} and \\boxed{7500}."
+    assert math_grade(two_answers, gold("olympiad", 87, "2500,7500")).correct
+
+
+@pytest.mark.parametrize("gold_text, pred, correct", [
+    # A box that holds more answers than the gold asks for hedges: math-verify reads only one
+    # ("135°, 45°" as 45, "3 cm, 5 cm" as 3) and would take it.
+    ("45^\\circ", "135°, 45°", False), ("45^\\circ", "135^\\circ, 45^\\circ", False), ("45^\\circ", "45°", True),
+    ("3", "3 \\text{ cm}, 5 \\text{ cm}", False), ("3", "3 \\text{ cm}", True),
+    ("\\pm 2", "2", False), ("\\pm 2", "2, -2", True), ("2, -2", "\\pm 2", True),
+    # A gold that is one tuple is ordered; math-verify compares it with a list in order.
+    ("(1,3)", "\\{1,3\\}", True), ("(3,1)", "\\{1,3\\}", False),
+])
+def test_a_box_with_more_answers_than_the_gold_is_wrong(gold_text, pred, correct):
+    assert math_grade(boxed(pred), gold_text).correct is correct
+
+
 @pytest.mark.parametrize("pred, correct", [("25", True), ("025", True), ("25.0", True), ("250", False)])
 def test_aime_zero_padding(gold, pred, correct):
     assert math_grade(boxed(pred), gold("aime24", 7, "025")).correct is correct
@@ -531,8 +563,10 @@ def test_grade_many_from_a_script_without_a_main_guard_raises(tmp_path):
 # in docs/protocol.md ("Conventions where other graders differ").
 CONVENTIONS = {
     7: "a comma in a gold separates answers ('1,22' is 1 and 22), as in every list gold of the benchmarks",
+    11: "a comma in a gold separates answers ('0,111' is 0 and 111), as in every list gold of the benchmarks",
     115: "the last box is the answer; a later 'final answer is $X$' without a box is not read",
     126: "a LaTeX line break (\\\\) inside a box is not removed: '-2 \\\\le x' is not '-2 \\le x'",
+    129: "a list is a multiset: an answer listed twice is two answers (a = b = -2 is '-2,-2')",
     199: "GPQA: a letter is read only when stated ('Answer: X', 'the answer is X', '(X)', 'X.' first)",
     200: "GPQA: a letter is read only when stated ('Answer: X', 'the answer is X', '(X)', 'X.' first)",
     203: "pairs of definitions ('p=5,q=2;p=7,q=2') are not regrouped against a flat list",

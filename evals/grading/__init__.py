@@ -6,7 +6,9 @@ The rules, and the reason for each, are in docs/protocol.md ("Grading"). In shor
   - Math: the answer is the content of the last complete \\boxed{...} (`answers.boxed_contents`),
     normalised with its gold (`answers.normalize`) and compared (`equivalence.equivalent`): numbers
     numerically (exactly for integer golds, within a relative 1e-4 otherwise), everything else with
-    math-verify. A gold of several answers (a list, or a set in braces) also accepts one box per answer.
+    math-verify. Several answers (a list, a set in braces, a \\pm) are a multiset: any order, each
+    answer as often as written, no more answers than the gold's; a gold of several answers also
+    accepts one box per answer.
   - GPQA: the letter of the last "Answer: X" (`answers.extract_choice`).
 
 `grade` grades one output in this process; `grade_many` grades in worker processes under a hard

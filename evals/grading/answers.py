@@ -79,6 +79,9 @@ _NEGATIVE_SPACE = re.compile(r"\\!\s*")  # "\!", MATH's kerning in "10,\!080" an
 _COMMA_THOUSANDS = re.compile(r"[+-]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?")
 _SPACE_THOUSANDS = re.compile(r"[+-]?[1-9]\d{0,2}(?: \d{3})+(?:\.\d+)?")
 _DECIMAL_COMMA = re.compile(r"([+-]?\d+),(\d+)")
+# What `split_answers` reads: an escaped character ("\\,", "\\{") or a number with thousands
+# commas ("1,000.99", not the "2,100" of "1,2,100"), which it skips, and commas and brackets (group 1).
+_ANSWER_TOKEN = re.compile(r"\\.|(?<![\d,.])[1-9]\d{0,2}(?:,\d{3})+(?!\d|,\d)|([,()\[\]{}])", re.DOTALL)
 _PERCENT = re.compile(r"\\?%")
 # A numeral with its base as a subscript, as MATH writes them: "52_8", "2516_{8}", "A1_{16}".
 _BASE_NUMERAL = re.compile(r"(?=[0-9A-Za-z]*\d)([0-9A-Za-z]+)_\{?\s*(?:\\text\{\s*)?(\d{1,2})\s*\}?\}?")
@@ -162,21 +165,23 @@ def _balanced(text: str) -> bool:
     return depth == 0
 
 
-def count_answers(text: str) -> int:
-    """How many comma-separated answers `text` holds: at bracket depth 0, or inside the braces of a
-    set that is the whole text ("{1,2,3}" holds three)."""
+def split_answers(text: str) -> list[str]:
+    """The comma-separated answers `text` holds: split at bracket depth 0, or inside the braces of a
+    set that is the whole text ("{1,2,3}" holds three). A LaTeX space ("4,\\,-8") or a thousands
+    comma in a sentence ("it's 1,000.99") separates nothing."""
     braces = set_braces(text)
     if braces is not None:
         text = text[len(braces[0]):-len(braces[1])]
-    depth, count = 0, 1
-    for char in text:
-        if char in "([{":
+    answers, depth, start = [], 0, 0
+    for token in _ANSWER_TOKEN.finditer(text):
+        if token.group(1) in ("(", "[", "{"):
             depth += 1
-        elif char in ")]}":
+        elif token.group(1) in (")", "]", "}"):
             depth -= 1
-        elif char == "," and depth == 0:
-            count += 1
-    return count
+        elif token.group(1) == "," and depth == 0:
+            answers.append(text[start:token.start()].strip())
+            start = token.end()
+    return [*answers, text[start:].strip()]
 
 
 def base_numeral(text: str) -> tuple[str, int] | None:

@@ -8,7 +8,8 @@ equality are decided in rationals ("\\frac{100!}{2^{50}}" is an integer, and "+1
 floats would make every integer past 2^53 equal to its neighbours. math-verify compares numbers
 after rounding to 6 decimals (1e-8 == 2e-8) and reads "4.5e33" with Euler's e. Everything else
 (expressions with variables, tuples, intervals, sets, equations, text) goes through math-verify's
-`verify(gold, pred)`.
+`verify(gold, pred)`, except that several answers are compared here as multisets, answer by answer
+(`_expressions_match`): math-verify compares sets, which drop repeated answers.
 
 math-verify bounds its work with signal.alarm, so everything here runs in the main thread.
 """
@@ -19,7 +20,7 @@ import ast
 import math
 import re
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import product
@@ -29,7 +30,7 @@ from latex2sympy2_extended.sets import FiniteSet
 from math_verify import parse, verify
 from math_verify.errors import TimeoutException
 
-from evals.grading.answers import Answer, base_numeral, decimal_comma, definition
+from evals.grading.answers import Answer, base_numeral, decimal_comma, definition, split_answers
 
 REL_TOL = 1e-4
 
@@ -40,6 +41,9 @@ _DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)")
 # Past 2^53 a float stands for several integers, so it cannot answer an integer gold exactly.
 _EXACT_FLOAT_INTEGERS = 2**53
 _LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
+# A gold that is one tuple holds ordered answers, which math-verify compares with a list in order;
+# it reads "(1,3)" as an open interval.
+_ORDERED = (sympy.Tuple, sympy.Interval)
 
 
 def equivalent(gold: Answer, pred: Answer, timeout: int) -> bool:
@@ -60,7 +64,97 @@ def equivalent(gold: Answer, pred: Answer, timeout: int) -> bool:
             pred_value = _value(pred_comma, timeout)
         if pred_value is not None:
             return _numbers_match(gold_value, gold.percent, pred_value, pred.percent)
-    return _verify(_parse(gold.text, timeout), _parse(pred.text, timeout), timeout)
+    return _expressions_match(gold, pred, timeout)
+
+
+def _expressions_match(gold: Answer, pred: Answer, timeout: int) -> bool:
+    """Answers that are not both numbers. A side holding several answers (a list, a set, "\\pm")
+    is a multiset: the other side must hold as many, each answering its own one, in any order. An
+    answer holding more values than its gold (a hedge, "135^\\circ, 45^\\circ" for 45^\\circ) is
+    wrong, except against a gold that is one tuple (`_ORDERED`)."""
+    gold_parsed, pred_parsed = _parse(gold.text, timeout), _parse(pred.text, timeout)
+    gold_answers, pred_answers = _answers(gold_parsed, gold.text), _answers(pred_parsed, pred.text)
+    if gold_answers is None or pred_answers is None:  # compare the texts' answers one by one instead
+        gold_items, pred_items = split_answers(gold.text), split_answers(pred.text)
+        if len(gold_items) == len(pred_items) == 1:
+            return _verify(gold_parsed, pred_parsed, timeout)
+        return _matched(gold_items, pred_items, lambda gold_item, pred_item: equivalent(
+            replace(gold, text=gold_item), replace(pred, text=pred_item), timeout))
+    if len(gold_answers) == 1 and (len(pred_answers) == 1 or isinstance(gold_answers[0], _ORDERED)):
+        return _verify(gold_parsed, pred_parsed, timeout)
+    if len(gold_answers) > 1 and len(pred_answers) == 1 and isinstance(pred_answers[0], sympy.Tuple):
+        pred_answers = list(pred_answers[0].args)  # "(-2, -2)" answers the list "-2,-2"
+    return _matched(gold_answers, pred_answers, lambda gold_answer, pred_answer: _answers_match(
+        gold_answer, gold.percent, pred_answer, pred.percent, timeout))
+
+
+def _answers(parsed: list, text: str) -> list | None:
+    """The answers math-verify read in `text`, duplicates kept, or None when it read no expression,
+    or one answer of a text that holds several ("3 \\text{ cm}, 5 \\text{ cm}" reads as 3).
+    math-verify holds a list as a set, which drops duplicates ("-2,-2" is {-2}); the set's
+    `_unsorted_args`, which math-verify keeps for its own in-order comparisons, still has them. A
+    name defined as a list ("(x, y) = (5, 8) \\text{ and } (8, 5)") holds that list."""
+    expr = next((item for item in parsed if isinstance(item, sympy.Basic)), None)
+    if isinstance(expr, sympy.Eq) and isinstance(expr.rhs, FiniteSet) and _is_name(expr.lhs):
+        expr = expr.rhs
+    if isinstance(expr, FiniteSet):
+        return list(expr._unsorted_args)
+    if expr is None or len(split_answers(text)) > 1:
+        return None
+    return [expr]
+
+
+def _is_name(expr: sympy.Basic) -> bool:
+    """A symbol, or a tuple of them ("(x, y)")."""
+    return isinstance(expr, sympy.Symbol) or (isinstance(expr, sympy.Tuple)
+                                              and all(isinstance(item, sympy.Symbol) for item in expr))
+
+
+def _answers_match(gold: sympy.Basic, gold_percent: bool, pred: sympy.Basic, pred_percent: bool,
+                   timeout: int) -> bool:
+    """One answer of a list against one of another, numbers by the rules for numbers."""
+    gold_value, pred_value = _number([gold], timeout), _number([pred], timeout)
+    if gold_value is not None and pred_value is not None:
+        return _numbers_match(gold_value, gold_percent, pred_value, pred_percent)
+    return _verify([gold], [pred], timeout)
+
+
+def _matched(golds: list, preds: list, answers: Callable[[object, object], bool]) -> bool:
+    """Whether `preds` answers `golds` as a multiset: as many answers, each gold answered by a pred
+    of its own. A bipartite matching by augmenting paths (Kuhn's algorithm), written here because
+    neither sympy nor math-verify has one; it compares a pair only when the search reaches it, at
+    most once. A comparison that times out is no match, and raises if no matching is found."""
+    if len(golds) != len(preds):
+        return False
+    known: dict[tuple[int, int], bool] = {}
+    timed_out = False
+
+    def match(gold: int, pred: int) -> bool:
+        nonlocal timed_out
+        if (gold, pred) not in known:
+            try:
+                known[gold, pred] = answers(golds[gold], preds[pred])
+            except TimeoutException:
+                timed_out = True
+                known[gold, pred] = False
+        return known[gold, pred]
+
+    owner: dict[int, int] = {}  # pred -> the gold it answers
+
+    def assign(gold: int, seen: set[int]) -> bool:
+        for pred in range(len(preds)):
+            if pred not in seen and match(gold, pred):
+                seen.add(pred)
+                if pred not in owner or assign(owner[pred], seen):
+                    owner[pred] = gold
+                    return True
+        return False
+
+    if all(assign(gold, set()) for gold in range(len(golds))):
+        return True
+    if timed_out:
+        raise TimeoutException("math-verify timed out")
+    return False
 
 
 def _definitions_dropped(gold: Answer, pred: Answer) -> tuple[Answer, Answer]:
@@ -111,7 +205,11 @@ def _equals_integer(gold: _Number, pred: _Number) -> bool:
 
 
 def _value(text: str, timeout: int) -> _Number | None:
-    """The number an answer is, or None when it is not a single number."""
+    """The number an answer is, or None when it is not a single number. A text of several answers
+    never is, whatever math-verify makes of it: it reads "135^\\circ, 45^\\circ" as 45, and
+    "0,111" as 0.111."""
+    if len(split_answers(text)) > 1:
+        return None
     literal = _literal_number(text)
     if literal is not None:
         exact = (sympy.Rational(text), sympy.Integer(0)) if _DECIMAL.fullmatch(text) else None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from math_verify.errors import TimeoutException
 
 from evals.datasets import KINDS
-from evals.grading.answers import boxed_contents, count_answers, extract_choice, normalize, repair_gold
+from evals.grading.answers import boxed_contents, extract_choice, normalize, repair_gold, split_answers
 from evals.grading.equivalence import equivalent
 
 logger = logging.getLogger(__name__)
@@ -79,8 +79,10 @@ def _grade_math(answer: str, gold: str, timeout: int) -> Grade:
         raise RuntimeError("grade() needs the main thread (math-verify uses signal.alarm); use grade_many")
     gold_answer = normalize(repair_gold(gold))
     candidates = [boxes[-1]]
-    if len(boxes) > 1 and count_answers(gold_answer.text) > 1:  # one box per answer of a list or set
-        candidates.append(",".join(dict.fromkeys(boxes)))
+    if len(boxes) > 1 and len(split_answers(gold_answer.text)) > 1:  # one box per answer of a list or set
+        # Every box ("-2" twice answers "-2,-2"), or each different box once (an output that boxes
+        # its answers, then boxes them again in its summary).
+        candidates += dict.fromkeys([",".join(boxes), ",".join(dict.fromkeys(boxes))])
     try:
         for candidate in candidates:
             if equivalent(gold_answer, normalize(candidate), timeout):
