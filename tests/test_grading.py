@@ -221,6 +221,28 @@ def test_golds_cut_short_in_the_math500_file_are_repaired(gold):
     assert not math_grade(boxed("4"), gold_text).correct
 
 
+@pytest.mark.parametrize("index, gold_text, residue, modulus", [
+    (35, "3} \\pmod{7", 3, 7), (415, "9} \\pmod{11", 9, 11), (448, "44}\\pmod{83", 44, 83),
+    (457, "0} \\pmod{6", 0, 6), (487, "2} \\pmod{4", 2, 4),
+])
+def test_a_trailing_modulus_is_not_part_of_the_answer(gold, index, gold_text, residue, modulus):
+    gold_text = gold("math500", index, gold_text)
+    for written in ("\\pmod{%d}", "\\pmod %d", "\\bmod %d", "\\mod %d", "\\ (\\text{mod } %d)",
+                    "\\;(\\mathrm{mod}\\ %d)", "\\text{ (mod %d)}"):
+        assert math_grade(boxed(f"{residue} " + written % modulus), gold_text).correct, written
+        # The residue is compared as written: another residue, or one outside the range, is wrong.
+        assert not math_grade(boxed(f"{residue + 1} " + written % modulus), gold_text).correct, written
+        assert not math_grade(boxed(f"{residue + modulus} " + written % modulus), gold_text).correct, written
+    # A gold written with its modulus is read the same way.
+    assert math_grade(boxed(f"{residue} \\pmod{{{modulus}}}"), f"{residue} \\pmod{{{modulus}}}").correct
+
+
+def test_dropping_a_trailing_modulus_is_linear_in_the_spacing_before_it():
+    start = time.monotonic()
+    assert math_grade(boxed("3" + " " * 100_000 + "\\pmod{7}"), "3").correct
+    assert time.monotonic() - start < 5
+
+
 @pytest.mark.parametrize("gold_text, pred, correct", [
     # A LaTeX gold that evaluates to a number takes the same relative 1e-4 as a plain number...
     ("\\frac{8}{3}", "2.6667", True), ("\\frac{8}{3}", "2.67", False), ("\\frac{14}{3}", "4.6667", True),

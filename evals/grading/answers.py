@@ -2,8 +2,8 @@
 
 Extraction: the contents of \\boxed{...} groups (math) and the letter of a multiple-choice answer
 (GPQA). Normalisation: what a gold or a boxed answer may carry that means nothing to its value
-(dollar signs, thousands separators, a trailing period), and the facts the comparison needs to keep
-from it (a percent sign, a set written in braces, a base subscript).
+(dollar signs, thousands separators, a trailing period, a trailing modulus), and the facts the
+comparison needs to keep from it (a percent sign, a set written in braces, a base subscript).
 
 Every pattern here runs over model output of any length, so none may backtrack on long runs of one
 character: repeated parts are single character classes, or alternatives that start with different
@@ -83,6 +83,16 @@ _DECIMAL_COMMA = re.compile(r"([+-]?\d+),(\d+)")
 # commas ("1,000.99", not the "2,100" of "1,2,100"), which it skips, and commas and brackets (group 1).
 _ANSWER_TOKEN = re.compile(r"\\.|(?<![\d,.])[1-9]\d{0,2}(?:,\d{3})+(?!\d|,\d)|([,()\[\]{}])", re.DOTALL)
 _PERCENT = re.compile(r"\\?%")
+# A modulus after a residue names the modulus, not part of the value ("3 \\pmod{7}", "3 \\bmod 7",
+# "3 \\mod 7", "3 \\ (\\text{mod } 7)", "3 \\text{ (mod 7)}"); math-verify reads "\\pmod{7}" as p*m*o*d*7.
+# Each alternative starts with a fixed "\\" or "(", so a search stays linear.
+_MODULUS_VALUE = r"(?:\{[^{}]*\}|\\?\w+)"
+_TRAILING_MODULUS = re.compile(
+    r"(?:\\[pb]?mod\b\s*" + _MODULUS_VALUE
+    + r"|(?:\\left\s*)?\(\s*(?:\\(?:text|mathrm|operatorname|textrm|rm)\s*\{\s*mod\s*\}|\\[pb]?mod\b|mod\b)"
+    + r"(?:\s|\\[ ,;:]|~)*" + _MODULUS_VALUE + r"\s*(?:\\right\s*)?\)"
+    + r"|\\text\s*\{\s*\(\s*mod\s*\w+\s*\)\s*\})\s*$")
+_LATEX_SPACES = ("\\ ", "\\,", "\\;", "\\:", "\\quad", "\\qquad", "~")
 # A numeral with its base as a subscript, as MATH writes them: "52_8", "2516_{8}", "A1_{16}".
 _BASE_NUMERAL = re.compile(r"(?=[0-9A-Za-z]*\d)([0-9A-Za-z]+)_\{?\s*(?:\\text\{\s*)?(\d{1,2})\s*\}?\}?")
 _SET_BRACES = (("\\{", "\\}"), ("{", "}"))
@@ -106,12 +116,29 @@ def normalize(text: str) -> Answer:
     percent = _PERCENT.search(text) is not None
     text = _PERCENT.sub("", text.replace("\\$", "").replace("$", ""))
     text = _NEGATIVE_SPACE.sub("", text).strip().rstrip(".").strip()
+    text = _without_modulus(text)
     text = _SPACED_THOUSANDS.sub("", text)
     if _COMMA_THOUSANDS.fullmatch(text):
         text = text.replace(",", "")
     elif _SPACE_THOUSANDS.fullmatch(text):
         text = text.replace(" ", "")
     return Answer(text, percent)
+
+
+def _without_modulus(text: str) -> str:
+    """`text` without a trailing modulus (`_TRAILING_MODULUS`) and the spacing before it."""
+    modulus = _TRAILING_MODULUS.search(text)
+    if modulus is None or modulus.start() == 0:
+        return text
+    end = modulus.start()
+    while True:  # one space at a time: "\\ " must go whole, not as a stray "\\" left by rstrip()
+        space = next((space for space in _LATEX_SPACES if text.endswith(space, 0, end)), None)
+        if space is not None:
+            end -= len(space)
+        elif end and text[end - 1].isspace():
+            end -= 1
+        else:
+            return text[:end]
 
 
 def definition(text: str) -> tuple[str, str] | None:
