@@ -432,9 +432,19 @@ def test_boxed_contents_matches_braces():
     ('Answer: "C"', "C"), ("Answer: 'B'", "B"), ("Answer: “D”", "D"), ("The answer is: `A`", "A"),
     ("D. Because the others fail, not A or B", "D"), ("B) 42 kJ", "B"), ("A is wrong", None),
     ("the answer is not determined", None),
+    ("Answer: \\(B\\)", "B"), ("**Answer:** \\( \\text{B} \\)", "B"), ("Answer: \\(\\mathbf{B}\\)", "B"),
+    ("Answer: \\[B\\]", "B"), ("Answer: [B]", "B"), ("Answer: Option B", "B"), ("The answer is option (C).", "C"),
+    ("Answer - B", "B"), ("Answer = B", "B"), ("Answer: Options A and B fail", None),
 ])
 def test_gpqa_letter_formats(text, letter):
     assert extract_choice(text) == letter
+
+
+@pytest.mark.parametrize("filler", ["-", "=", "[", "\\(", "option ", "is "])
+def test_gpqa_extraction_is_linear_on_every_kind_of_filler(filler):
+    start = time.monotonic()
+    assert extract_choice("answer" + filler * 50_000 + "!") is None
+    assert time.monotonic() - start < 5
 
 
 @pytest.mark.parametrize("spaces", [45, 60, 2000, 100_000])

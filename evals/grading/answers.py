@@ -20,13 +20,17 @@ from dataclasses import dataclass
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
 BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)  # an escaped character, or a brace
 
-# What may stand between "answer" and its letter: spaces, markdown emphasis, colons, quotes, dollar
-# signs, an opening parenthesis, "is", and LaTeX wrappers (\boxed{, \text{, ...).
-_FILLER = r"""(?:[\s*_:$"'`“”‘’(]|(?i:is)\b|\\(?:boxed|text|textbf|mathrm|mathbf)\s?\{)*"""
+# What may stand between "answer" and its letter: spaces, markdown emphasis, colons, dashes, equals
+# signs, quotes, dollar signs, an opening parenthesis or bracket, "is", "option", LaTeX's math
+# delimiters \( and \[, and LaTeX wrappers (\boxed{, \text{, ...). Each alternative starts with
+# characters no other one starts with, so no text makes the pattern backtrack.
+_FILLER = (r"""(?:[\s*_:\-=$"'`“”‘’(\[]|(?i:is)\b|(?i:option)\b"""
+           r"""|\\(?:[(\[]|(?:boxed|text|textbf|mathrm|mathbf)\s?\{))*""")
 _LETTER = r"([A-D])(?![A-Za-z0-9])"
 _STATED_CHOICE = (
     # "Answer: C", "**Answer:** C", "Answer: $D$", "Answer: \"C\"", "Final answer: (C)",
-    # "the answer is **C**", "Answer: \boxed{\text{B}}".
+    # "the answer is **C**", "Answer: \boxed{\text{B}}", "Answer: \(\mathbf{B}\)", "Answer: [B]",
+    # "Answer: Option B", "Answer - B", "Answer = B".
     re.compile(r"(?i:answer)" + _FILLER + _LETTER),
     re.compile(r"\\boxed\s?\{" + _FILLER + _LETTER),
 )
