@@ -306,6 +306,20 @@ def test_i_as_the_unit_and_as_part_of_a_name(gold_text, pred, correct):
     assert math_grade(boxed(pred), gold_text).correct is correct
 
 
+@pytest.mark.parametrize("index, gold_text, pred, correct", [
+    (269, "E_{1},E_{2}", "E_1, E_2", True), (269, "E_{1},E_{2}", "E_2 \\text{ and } E_1", True),
+    (269, "E_{1},E_{2}", "E_1", False), (269, "E_{1},E_{2}", "E_1 + E_2", False),
+    (268, "\\frac{1}{3} E_{1}+\\frac{2}{3} E_{2}", "\\frac{E_1 + 2E_2}{3}", True),
+    (268, "\\frac{1}{3} E_{1}+\\frac{2}{3} E_{2}", "\\frac{2E_1 + E_2}{3}", False),
+    # Unreadable, this gold was read as its fragment "2", which then answered it.
+    (261, "\\hbar \\omega(v+1 / 2)-\\frac{E_{0}^{2} e^{2}}{2 m \\omega^{2}}",
+     "\\hbar\\omega\\left(v+\\frac{1}{2}\\right)-\\frac{e^2E_0^2}{2m\\omega^2}", True),
+    (261, "\\hbar \\omega(v+1 / 2)-\\frac{E_{0}^{2} e^{2}}{2 m \\omega^{2}}", "2", False),
+])
+def test_a_subscripted_e_is_a_symbol_not_eulers_e(gold, index, gold_text, pred, correct):
+    assert math_grade(boxed(pred), gold("minerva", index, gold_text)).correct is correct
+
+
 @pytest.mark.parametrize("index, gold_text", [
     (30, "52_8"), (70, "40_9"), (71, "2516_8"), (127, "4210_{5}"), (338, "4343_6"),
 ])

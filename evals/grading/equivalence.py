@@ -36,6 +36,12 @@ REL_TOL = 1e-4
 
 # "4.5e33", "1e-8", "3.21E+5" as a whole number token (not "2e^{t}" or "x1e5").
 _E_NOTATION = re.compile(r"(?<![\w.\\])(\d+(?:\.\d*)?|\.\d+)[eE]\+?(-?\d+)(?![\w.])")
+# A capital E with a subscript ("E_{1}", "E_0"): math-verify's grammar takes E for Euler's e and
+# rejects the subscript, and then reads a fragment of the text instead (minerva#261's gold
+# "\hbar \omega(v+1 / 2)-\frac{E_{0}^{2} e^{2}}{2 m \omega^{2}}" as the number 2). Written
+# \mathsf{E} it is a symbol of its own; \mathrm{E} would not do: math-verify turns it into \text{E}
+# and stops its formula there.
+_SUBSCRIPTED_E = re.compile(r"(?<![\\A-Za-z])E(?=\s*_)")
 # A plain decimal ("27.0", "025", "-.5"): its digits are its exact value. "4.5e33" is a measurement.
 _DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)")
 # Past 2^53 a float stands for several integers, so it cannot answer an integer gold exactly.
@@ -218,9 +224,9 @@ def _value(text: str, timeout: int) -> _Number | None:
 
 
 def _parse(text: str, timeout: int) -> list:
-    """math-verify's parse of `text` as one LaTeX formula, with e-notation made explicit and its
-    letters read alike on every side (`_letters_read_alike`)."""
-    latex = _E_NOTATION.sub(r"\1\\times 10^{\2}", text)
+    """math-verify's parse of `text` as one LaTeX formula, with e-notation made explicit, a
+    subscripted E a symbol, and its letters read alike on every side (`_letters_read_alike`)."""
+    latex = _SUBSCRIPTED_E.sub(r"\\mathsf{E}", _E_NOTATION.sub(r"\1\\times 10^{\2}", text))
     parsed = parse(f"${latex}$", parsing_timeout=timeout, raise_on_error=True)
     return [_letters_read_alike(item) if isinstance(item, sympy.Basic) else item for item in parsed]
 
