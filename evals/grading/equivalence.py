@@ -283,12 +283,20 @@ def _number(parsed: list, timeout: int) -> _Number | None:
             return None
         if not (math.isfinite(approx.real) and math.isfinite(approx.imag)):
             return None
-        # math-verify's parse is unevaluated ("\\frac{4 \\cdot 999^{4}}{27}" stays a quotient, whose
-        # is_integer sympy leaves undecided); doit() evaluates it, only now that the value is known
-        # to be finite, so a tower of powers is never expanded into its digits.
+        return _Number(approx, _exact_parts(expr))
+
+
+def _exact_parts(expr: sympy.Expr) -> tuple[sympy.Rational, sympy.Rational] | None:
+    """The (real, imaginary) parts of a finite number as rationals, or None when it has none.
+
+    math-verify's parse is unevaluated ("\\frac{4 \\cdot 999^{4}}{27}" stays a quotient, whose
+    is_integer sympy leaves undecided); doit() evaluates it. Called only once the value is known to
+    be finite, so a tower of powers is never expanded into its digits."""
+    try:
         real, imaginary = expr.doit().as_real_imag()
-    exact = (real, imaginary) if real.is_Rational and imaginary.is_Rational else None
-    return _Number(approx, exact)
+    except Exception:  # what sympy cannot evaluate has no exact value; its float still counts
+        return None
+    return (real, imaginary) if real.is_Rational and imaginary.is_Rational else None
 
 
 @contextmanager
