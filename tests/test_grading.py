@@ -616,8 +616,8 @@ CONVENTIONS = {
     199: "GPQA: a letter is read only when stated ('Answer: X', 'the answer is X', '(X)', 'X.' first)",
     200: "GPQA: a letter is read only when stated ('Answer: X', 'the answer is X', '(X)', 'X.' first)",
     203: "pairs of definitions ('p=5,q=2;p=7,q=2') are not regrouped against a flat list",
-    255: "a list of answers is unordered (MATH's and OlympiadBench's lists are sets of solutions)",
-    261: "a list of answers is unordered (MATH's and OlympiadBench's lists are sets of solutions)",
+    255: "a list of answers is unordered (MATH's and OlympiadBench's lists of solutions)",
+    261: "a list of answers is unordered (MATH's and OlympiadBench's lists of solutions)",
     291: "math-verify decides between symbolic expressions with many symbols; it rejects this one",
     303: "an answer equal in value is correct, however much simplification it took (3245/5 = 649)",
 }
