@@ -145,6 +145,12 @@ def test_list_golds_are_multisets(gold, index, gold_text, pred, correct):
     assert math_grade(boxed(pred), gold("olympiad", index, gold_text)).correct is correct
 
 
+@pytest.mark.parametrize("pred, correct", [("(1,3)", True), ("(3,1)", True), ("(1,4)", False), ("[1,3]", False)])
+def test_a_pair_answers_a_list_of_two(gold, pred, correct):
+    # math-verify reads "(1,3)" as an open interval; written for the list "1,3" it is a pair.
+    assert math_grade(boxed(pred), gold("olympiad", 37, "1,3")).correct is correct
+
+
 def test_one_box_per_answer_keeps_repeated_answers(gold):
     gold_text = gold("olympiad", 285, "-2,-2")
     assert math_grade("</think>$a = \\boxed{-2}$ and $b = \\boxed{-2}$.", gold_text).correct

@@ -88,8 +88,8 @@ def _expressions_match(gold: Answer, pred: Answer, timeout: int) -> bool:
             replace(gold, text=gold_item), replace(pred, text=pred_item), timeout))
     if len(gold_answers) == 1 and (len(pred_answers) == 1 or isinstance(gold_answers[0], _ORDERED)):
         return _verify(gold_parsed, pred_parsed, timeout)
-    if len(gold_answers) > 1 and len(pred_answers) == 1 and isinstance(pred_answers[0], sympy.Tuple):
-        pred_answers = list(pred_answers[0].args)  # "(-2, -2)" answers the list "-2,-2"
+    if len(gold_answers) > 1 and len(pred_answers) == 1:
+        pred_answers = _unpacked(pred_answers[0])
     return _matched(gold_answers, pred_answers, lambda gold_answer, pred_answer: _answers_match(
         gold_answer, gold.percent, pred_answer, pred.percent, timeout))
 
@@ -108,6 +108,16 @@ def _answers(parsed: list, text: str) -> list | None:
     if expr is None or len(split_answers(text)) > 1:
         return None
     return [expr]
+
+
+def _unpacked(answer: sympy.Basic) -> list:
+    """The answers of one tuple answering a list ("(-2, -2)" answers "-2,-2"), with "(1, 3)", which
+    math-verify reads as an open interval, a pair; any other answer alone."""
+    if isinstance(answer, sympy.Tuple):
+        return list(answer.args)
+    if isinstance(answer, sympy.Interval) and answer.left_open and answer.right_open:
+        return [answer.start, answer.end]
+    return [answer]
 
 
 def _is_name(expr: sympy.Basic) -> bool:
