@@ -1,7 +1,22 @@
 """A `-m` sweep: its jobs, as Hydra's basic sweeper makes them (the config's `hydra.sweeper.params`,
 an experiment's, first, then the command line's overrides, a later value of a key replacing an
 earlier one, and every combination of the swept values in order), and the record of the runs it
-made (`SweepRecord`, a Hydra callback)."""
+made and of the items each job ran them over (`SweepRecord`, a Hydra callback).
+
+`<sweep dir>/sweep.json`:
+
+    {"command": "python -m evals.run -m ...", "jobs": 8, "finished": 8, "started": <time>,
+     "runs": [every run directory a finished job made, as given, each once],
+     "job_runs": {"<job number>": {"ended": <time>, "runs": [{"run": <run directory>, "items": <key>}]}},
+     "item_sets": {<key>: [the item ids, in the dataset's order]}}
+
+A run directory does not depend on `limit` or `shard`: a later command with another `limit` reruns
+the same directories over other items, and rewrites their items.json and metrics.json. What a
+job covered is therefore recorded here, when it ends (the ids its run's items.json holds then: the
+items of the job's config, every shard's), so that a report of this sweep
+(`evals.report.runs`) computes each run's metrics over this sweep's items from the stored records,
+whatever ran there later.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +36,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from evals.configs import compose_config
-from evals.store import atomic_write
+from evals.store import atomic_write, planned_items, stable_hash
 
 
 def split_overrides(arguments: Sequence[str]) -> list[list[str]]:
@@ -72,17 +87,31 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{seconds:02d}s"
 
 
+def job_entry(runs: list[str], item_sets: dict[str, list[str]]) -> dict:
+    """A finished job's entry of `job_runs`: each of its runs with the key of the items it covered (the
+    run's items.json now, added to `item_sets`; None when the run has none)."""
+    entries = []
+    for run in runs:
+        items = planned_items(Path(run))
+        key = None if items is None else stable_hash(sorted(map(str, items)))
+        if key is not None:
+            item_sets[key] = items
+        entries.append({"run": run, "items": key})
+    return {"ended": time.time(), "runs": entries}
+
+
 class SweepRecord(Callback):
-    """`<sweep dir>/sweep.json` = `{"runs": [run directories, as given], "command": ..., "jobs": N}`,
-    updated as each job ends (a killed sweep still lists what it made; `evals.report.table --sweep` reads
-    it); `job i of N` with an estimate of the time left as each job starts; the report commands at
-    the end. Set in conf/config.yaml (`hydra.callbacks`)."""
+    """`<sweep dir>/sweep.json` (the module's docstring), updated as each job ends (a killed sweep
+    still lists what it made; `evals.report.table --sweep` reads it); `job i of N` with an estimate of
+    the time left as each job starts; the report commands at the end. Set in conf/config.yaml
+    (`hydra.callbacks`)."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         jobs = len(sweep_jobs(list(config.hydra.overrides.task)))
         command = shlex.join(["python", "-m", "evals.run", *sys.argv[1:]])
         _update(Path(config.hydra.sweep.dir) / SWEEP,
-                lambda _: {"runs": [], "command": command, "jobs": jobs, "finished": 0, "started": time.time()})
+                lambda _: {"command": command, "jobs": jobs, "finished": 0, "started": time.time(), "runs": [],
+                           "job_runs": {}, "item_sets": {}})
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         record = _update(Path(config.hydra.sweep.dir) / SWEEP, lambda value: value)
@@ -96,11 +125,15 @@ class SweepRecord(Callback):
         print(f"job {HydraConfig.get().job.num + 1} of {jobs}{left}", flush=True)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        runs = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
+        if job_return.status != JobStatus.COMPLETED:  # a refused or failed job covered nothing
+            return
+        runs = job_return.return_value or []
 
         def add(record: dict) -> dict:
-            made = [run for run in runs or [] if run not in record.get("runs", [])]
-            return {**record, "runs": [*record.get("runs", []), *made], "finished": record.get("finished", 0) + 1}
+            item_sets = dict(record.get("item_sets", {}))
+            job_runs = {**record.get("job_runs", {}), str(config.hydra.job.num): job_entry(runs, item_sets)}
+            return {**record, "runs": list(dict.fromkeys([*record.get("runs", []), *runs])), "job_runs": job_runs,
+                    "item_sets": item_sets, "finished": len(job_runs)}
 
         _update(Path(config.hydra.sweep.dir) / SWEEP, add)
 

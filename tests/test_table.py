@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from helpers.reports import write_run
+from helpers.reports import write_run, write_sweep
 
 from evals.report.runs import collect, collect_sweep
 from evals.report.table import (
@@ -326,15 +326,6 @@ def test_dirty_runs_are_marked(tmp_path):
     assert r"\textbf{50.0}$^\ddagger$" in render_latex(table)
 
 
-def write_sweep(folder, runs):
-    """A sweep folder whose sweep.json lists `runs`, in the shape evals.run -m writes."""
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = [str(run) for run in runs]
-    (folder / "sweep.json").write_text(json.dumps({"runs": paths, "command": "python -m evals.run -m ...",
-                                                   "jobs": len(paths)}))
-    return folder
-
-
 def test_sweep_and_filters(tmp_path, capsys):
     """--sweep reads exactly the runs its sweep.json lists (paths absolute, or relative to the sweep
     folder); --method and --budget keep FullKV as the reference; --limit picks runs by item count."""
@@ -344,7 +335,9 @@ def test_sweep_and_filters(tmp_path, capsys):
             write_run(root, "canary", "h2o", 192, "canary", 0.75, n_items=16, planned=16),
             write_run(root, "canary", "rkv", 96, "canary", 0.25, n_items=16, planned=16)]
     write_run(root, "canary", "h2o", 384, "canary", 0.875, n_items=48, planned=48)  # another sweep's
-    sweep = write_sweep(tmp_path / "sweep", [*ours, ours[0], root / "never_ran"])  # vanilla: two jobs, one run
+    sixteen = [str(i) for i in range(16)]
+    # vanilla: two jobs, one run
+    sweep = write_sweep(tmp_path / "sweep", [[(run, sixteen)] for run in [*ours, ours[0], root / "never_ran"]])
     out = tmp_path / "t" / "table"
     assert main(["--sweep", str(sweep), "--out", str(out)]) == 0
     captured = capsys.readouterr()
@@ -357,7 +350,7 @@ def test_sweep_and_filters(tmp_path, capsys):
     assert main(["--runs", str(root), "--out", str(out), "--limit", "48"]) == 0
     printed = capsys.readouterr().out
     assert "canary (48 of 200)" in printed and "(16 of 200)" not in printed
-    relative = write_sweep(tmp_path / "rel", [Path("..") / "runs" / run.name for run in ours[:2]])
+    relative = write_sweep(tmp_path / "rel", [[(Path("..") / "runs" / run.name, sixteen)] for run in ours[:2]])
     assert len(collect_sweep(relative)) == 2
     assert main(["--sweep", str(tmp_path / "nowhere")]) == 2
     assert "sweep.json does not exist" in capsys.readouterr().err

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
@@ -59,7 +60,7 @@ from matplotlib.patches import Patch
 from evals.metrics import FIDELITY_THRESHOLD, FIDELITY_WINDOW, trailing_mean
 from evals.report.names import DEFAULT_VARIANT, model_size
 from evals.report.palette import Style, styles
-from evals.report.runs import REFERENCE, add_filters, items_sort_key, keep_newest, label, load
+from evals.report.runs import REFERENCE, add_filters, item_ids, items_sort_key, keep_newest, label, load
 from evals.report.stats import SEED
 from evals.store import FIDELITY, GENERATIONS, in_scope, peek_records, planned_items
 from longflow.errors import UserError, report
@@ -439,9 +440,11 @@ def file_name(text: str) -> str:
 VIOLINS_PER_HALF_WIDTH = 10  # more methods than this and their names overlap on half the text width
 
 
-def output_lengths(run: Path) -> list[int]:
-    """The output lengths (tokens) of a run's stored samples, of the items its config covers."""
-    return [record["output_tokens"] for record in in_scope(peek_records(run / GENERATIONS), planned_items(run))]
+def output_lengths(run: Path, items: Sequence[str] | None = None) -> list[int]:
+    """The output lengths (tokens) of a run's stored samples, of `items` (a frame's `item_ids`; by
+    default the items its last config covers, items.json)."""
+    scope = planned_items(run) if items is None else items
+    return [record["output_tokens"] for record in in_scope(peek_records(run / GENERATIONS), scope)]
 
 
 def plot_output_lengths(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
@@ -450,7 +453,8 @@ def plot_output_lengths(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     No figure for a model none of whose runs has generations.jsonl."""
     paths = []
     palette = colors(runs)
-    runs = runs.assign(lengths=[output_lengths(Path(path)) for path in runs["path"]])
+    runs = runs.assign(lengths=[output_lengths(Path(path), items)
+                                for path, items in zip(runs["path"], item_ids(runs), strict=True)])
     for model, data in runs.groupby("model_label", sort=True):
         if not data["lengths"].map(len).any():  # runs without their records (copied metrics only)
             continue
@@ -548,10 +552,11 @@ def fidelity_curves(runs: pd.DataFrame, keys: tuple[str, ...]) -> tuple[list[str
     """The series of `runs` (one (model, item set, budget) cell, in table order) and, per key of
     `keys`, `[series, steps]` running means of it per output step (`trailing_mean`), NaN past a
     series' last step; each run's records are read once."""
-    records = [peek_records(Path(path) / FIDELITY) for path in runs["path"]]
+    records = [in_scope(peek_records(Path(path) / FIDELITY), items)
+               for path, items in zip(runs["path"], item_ids(runs), strict=True)]
     grids = []
     for key in keys:
-        curves = [trailing_mean(run, key) for run in records]
+        curves = [trailing_mean(run, key) if run else np.full(0, np.nan) for run in records]
         grid = np.full((len(curves), max(len(curve) for curve in curves)), np.nan)
         for row, curve in enumerate(curves):
             grid[row, :len(curve)] = curve

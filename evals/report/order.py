@@ -29,7 +29,7 @@ from pathlib import Path
 import pandas as pd
 
 from evals.report.names import dataset_name
-from evals.report.runs import REFERENCE, add_filters, keep_newest, label, load
+from evals.report.runs import REFERENCE, add_filters, item_ids, keep_newest, label, load
 from evals.report.significance import scaled
 from evals.report.stats import BootstrapConfig, Difference, ItemScores, paired_difference, run_accuracy_scores
 from longflow.errors import UserError, report
@@ -59,7 +59,8 @@ def scored_runs(runs: pd.DataFrame) -> pd.DataFrame:
     accuracy (`item_scores`); UserError when a run has no generations.jsonl records."""
     runs = label(runs[runs["method"] != REFERENCE])
     runs, _ = keep_newest(runs, ["model_label", "budget_label", "method_label", "dataset_label"])
-    runs = runs.assign(item_scores=runs["path"].map(run_accuracy_scores))
+    runs = runs.assign(item_scores=[run_accuracy_scores(path, items)
+                                    for path, items in zip(runs["path"], item_ids(runs), strict=True)])
     lacking = runs[~runs["item_scores"].map(lambda s: isinstance(s, ItemScores))]
     if not lacking.empty:
         raise UserError(f"{len(lacking)} runs have no per-item records (generations.jsonl), "

@@ -5,7 +5,8 @@
                             [--limit N ...] [--generation G]
 
 Columns: the run's keys (`RUN_KEYS`: run_id, model, method, variant, budget, generation, dataset,
-item counts, complete, dirty (made from a checkout with uncommitted changes), path), then `metric`,
+item counts and `item_set` (a hash of the item ids: a run reported over two item sets is two runs
+here), complete, dirty (made from a checkout with uncommitted changes), path), then `metric`,
 a numeric metrics.json key with nested keys joined by dots (accuracy, accuracy_stderr, pass_at_k.4,
 tokens_per_second, step_latency_ms.p50, finish_reasons.length, grade_reasons.truncated, ...), and
 `value`. Runs are read as for `evals.table` (`evals.report.runs`, the same filters), every run kept
@@ -25,8 +26,8 @@ from evals.report.runs import add_filters, load
 from longflow.errors import UserError, report
 
 RUN_KEYS = ["run_id", "model", "hub_id", "method", "variant", "budget_mode", "budget", "generation", "dataset",
-            "dataset_size", "n_planned", "n_items", "n_samples", "complete", "dirty", "path"]
-NOT_METRICS = {*RUN_KEYS, "mtime", "item_set"}
+            "dataset_size", "n_planned", "item_set", "n_items", "n_samples", "complete", "dirty", "path"]
+NOT_METRICS = {*RUN_KEYS, "mtime"}
 
 
 def long_format(runs: pd.DataFrame) -> pd.DataFrame:

@@ -1,21 +1,22 @@
-"""Run directories as one frame for the reports: which runs (a runs folder, or exactly one sweep's),
-the filters (model, method, budget, dataset, generation, limit), display labels, and the item set
-each run covers, so that a table or a figure compares only runs over the same items.
+"""Run directories as one frame for the reports: which runs (a runs folder, or exactly the sweeps'),
+each over which items (`evals.report.item_sets`) with its metrics over them computed from its stored
+records, the filters (model, method, budget, dataset, generation, limit), and display labels, so
+that a table or a figure compares only runs over the same items.
 
-A sweep folder holds `sweep.json`, written by `evals.run -m` at the Hydra sweep directory:
-`{"runs": [run directory paths], "command": "...", "jobs": N}`. A relative path is read from the
-working directory, or else from the sweep folder.
+A sweep folder holds `sweep.json`, written by `evals.run -m` at the Hydra sweep directory
+(`evals.sweeps`): the runs each job made and the items it covered there.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pandas as pd
 
+from evals.metrics import summarize
+from evals.report.item_sets import SWEEP, ItemSet, folder_item_sets, sweep_item_sets, warn
 from evals.report.names import (
     DEFAULT_VARIANT,
     VERIFY_NAMES,
@@ -25,15 +26,21 @@ from evals.report.names import (
     method_rank,
     model_name,
 )
-from evals.store import METRICS, PROVENANCE, planned_items, stable_hash
+from evals.store import (
+    BATCHES,
+    FIDELITY,
+    GENERATIONS,
+    IDENTITY,
+    METRICS,
+    PROVENANCE,
+    in_scope,
+    peek_records,
+    planned_items,
+    stable_hash,
+)
 from longflow.errors import UserError
 
 REFERENCE = "vanilla"  # the full cache: budget "-", listed first, kept by the method and budget filters
-SWEEP = "sweep.json"
-
-
-def warn(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
 
 
 def dirty_flag(run: Path) -> bool | None:
@@ -49,10 +56,9 @@ def dirty_flag(run: Path) -> bool | None:
     return any(flags) if flags else None
 
 
-def read_run(path: Path) -> dict | None:
-    """One run's metrics.json (`path`) as a record plus `path`, `mtime`, `n_planned` (the items its
-    config covers, from items.json), `item_set` (a hash of those ids) and `dirty`; None, with a
-    warning line, when the file is unreadable or names no model, method or dataset."""
+def read_metrics(path: Path) -> dict | None:
+    """A run's metrics.json; None, with a warning line, when it is unreadable or names no model, method
+    or dataset."""
     try:
         record = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -65,11 +71,81 @@ def read_run(path: Path) -> dict | None:
     if missing:
         warn(f"skipping {path}: no {', '.join(missing)}")
         return None
-    planned = planned_items(path.parent)
-    return {**record, "path": str(path.parent), "mtime": path.stat().st_mtime,
-            "n_planned": None if planned is None else len(planned),
-            "item_set": None if planned is None else stable_hash(sorted(map(str, planned)), length=6),
-            "dirty": dirty_flag(path.parent)}
+    return record
+
+
+def read_identity(run: Path) -> dict | None:
+    try:
+        identity = json.loads((run / IDENTITY).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return identity if isinstance(identity, dict) else None
+
+
+class StoredRecords:
+    """A run's stored records, read once for all the item sets it is reported over; `generations` is
+    None when the run has no identity or no generations.jsonl to compute metrics from."""
+
+    def __init__(self, run: Path):
+        self.identity = read_identity(run)
+        self.generations = self.batches = self.fidelity = None
+        if self.identity is not None and (run / GENERATIONS).exists():
+            try:
+                self.generations, self.batches, self.fidelity = (
+                    peek_records(run / name) for name in (GENERATIONS, BATCHES, FIDELITY))
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                warn(f"{run}: a stored record is corrupt ({error}); reporting its metrics.json")
+                self.generations = None
+        self.run = run
+
+    def metrics(self, items: ItemSet) -> dict | None:
+        """The run's metrics over `items` (None: every record), as the run computes its metrics.json
+        (`evals.metrics.summarize`; speed covers every batch of the run); None when it has no records
+        or its identity lacks what the summary needs."""
+        if self.generations is None:
+            return None
+        try:
+            return summarize({**self.identity, "run_id": self.run.name}, in_scope(self.generations, items),
+                             self.batches, in_scope(self.fidelity, items))
+        except (KeyError, TypeError) as error:
+            warn(f"{self.run}: its {IDENTITY} or records lack {error}; reporting its metrics.json")
+            return None
+
+    def every_item(self) -> list[str]:
+        return list(dict.fromkeys(record["id"] for record in self.generations or []))
+
+
+def read_run(run: Path, item_sets: list[ItemSet], every_item_on_disk: bool = False) -> list[dict]:
+    """One record per distinct item set of `item_sets` (None: the items of the run's last config,
+    items.json): the run's metrics over those items from its stored records (`StoredRecords.metrics`),
+    plus `path`, `mtime`, `n_planned` (the set's size), `item_set` (a hash of its ids), `item_ids` and
+    `dirty`. With `every_item_on_disk`, also over every item the run holds when some lie outside all
+    of `item_sets` (a later config of a smaller `limit` left them). A run without records (metrics.json
+    alone) is reported from metrics.json, over its last config's items only. [] when metrics.json is
+    unreadable (`read_metrics`)."""
+    stored = read_metrics(run / METRICS)
+    if stored is None:
+        return []
+    planned, records = planned_items(run), StoredRecords(run)
+    wanted = [planned if items is None else items for items in item_sets]
+    if every_item_on_disk and None not in wanted:
+        on_disk = records.every_item()
+        if set(on_disk) - {item for items in wanted for item in items}:
+            wanted.append(on_disk)
+    found = []
+    for items in {None if items is None else frozenset(items): items for items in wanted}.values():
+        metrics = records.metrics(items)
+        if metrics is None:
+            if items is not None and set(items) != set(planned or ()):
+                warn(f"skipping {run} over {len(items)} items: it has no records to compute them from, and its "
+                     f"{METRICS} covers another config's items")
+                continue
+            metrics = stored
+        found.append({**metrics, "path": str(run), "mtime": (run / METRICS).stat().st_mtime,
+                      "n_planned": None if items is None else len(items),
+                      "item_set": None if items is None else stable_hash(sorted(map(str, items)), length=6),
+                      "item_ids": None if items is None else tuple(items), "dirty": dirty_flag(run)})
+    return found
 
 
 def frame_of(records: list[dict]) -> pd.DataFrame:
@@ -92,44 +168,44 @@ def frame_of(records: list[dict]) -> pd.DataFrame:
 
 
 def collect(runs_dir: Path | str) -> pd.DataFrame:
-    """Every readable `metrics.json` under `runs_dir`, one row each (`read_run`). Unreadable or partial
-    files are skipped with a warning line; hidden folders (Hydra's `.hydra/`) are not searched. May
-    return an empty frame."""
+    """Every run under `runs_dir` (a readable `metrics.json` marks one), a row per item set it has been
+    run over (`evals.report.item_sets.folder_item_sets`, and every item it holds: `read_run`).
+    Unreadable or partial files are skipped with a warning line; hidden folders (Hydra's `.hydra/`)
+    hold no runs. May return an empty frame."""
     runs_dir = Path(runs_dir)
-    paths = [path for path in sorted(runs_dir.rglob(METRICS))
-             if not any(part.startswith(".") for part in path.relative_to(runs_dir).parts)]
-    return frame_of([record for record in map(read_run, paths) if record is not None])
+    runs = [path.parent for path in sorted(runs_dir.rglob(METRICS))
+            if not any(part.startswith(".") for part in path.relative_to(runs_dir).parts)]
+    item_sets = folder_item_sets(runs_dir, runs)
+    return frame_of([record for run, found in item_sets.items()
+                     for record in read_run(run, found, every_item_on_disk=True)])
 
 
-def sweep_runs(sweep_dir: Path) -> list[Path]:
-    """The run directories a sweep's `sweep.json` lists, each once; UserError when it is missing or
-    malformed."""
-    path = sweep_dir / SWEEP
-    try:
-        sweep = json.loads(path.read_text(encoding="utf-8"))
-    except OSError:
-        raise UserError(f"{path} does not exist (--sweep takes the folder evals.run -m wrote it in)") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise UserError(f"{path} is not JSON ({error})") from None
-    runs = sweep.get("runs") if isinstance(sweep, dict) else None
-    if not isinstance(runs, list) or not all(isinstance(run, str) for run in runs):
-        raise UserError(f"{path} has no list of run directories under \"runs\"")
-    paths = [Path(run) if Path(run).is_absolute() or Path(run).exists() else sweep_dir / run for run in runs]
-    return list(dict.fromkeys(paths))  # jobs that share a run (vanilla at several budgets) list it once each
-
-
-def collect_sweep(sweep_dir: Path | str) -> pd.DataFrame:
-    """The runs of one sweep, exactly those `sweep.json` lists; a listed run without metrics.json (not
-    started, or failed before its first batch) is named in a warning line."""
+def collect_sweeps(sweep_dirs: list[Path | str]) -> pd.DataFrame:
+    """The runs of the sweeps (each folder once), each over the item sets the sweeps' jobs covered
+    there (`evals.report.item_sets.sweep_item_sets`), a run over the same items once; a listed run
+    without metrics.json (not started, or failed before its first batch) is named in a warning line."""
+    item_sets: dict[Path, list[ItemSet]] = {}
+    for folder in dict.fromkeys(Path(folder).resolve() for folder in sweep_dirs):
+        for run, found in sweep_item_sets(folder).items():
+            item_sets.setdefault(run, []).extend(found)
     records = []
-    for run in sweep_runs(Path(sweep_dir)):
+    for run, found in item_sets.items():
         if not (run / METRICS).exists():
             warn(f"{run} is in the sweep but has no {METRICS}")
             continue
-        record = read_run(run / METRICS)
-        if record is not None:
-            records.append(record)
+        records += read_run(run, found)
     return frame_of(records)
+
+
+def collect_sweep(sweep_dir: Path | str) -> pd.DataFrame:
+    """The runs of one sweep (`collect_sweeps`)."""
+    return collect_sweeps([sweep_dir])
+
+
+def item_ids(runs: pd.DataFrame) -> list[tuple[str, ...] | None]:
+    """Each row's item ids (`read_run`), None where unknown (a run without items.json, a recall row)."""
+    column = runs["item_ids"] if "item_ids" in runs else pd.Series(None, index=runs.index, dtype=object)
+    return [items if isinstance(items, tuple) else None for items in column]
 
 
 def select(runs: pd.DataFrame, models=None, datasets=None, generation: str | None = None, methods=None,
@@ -255,7 +331,7 @@ def load(args: argparse.Namespace) -> pd.DataFrame:
     """`collect` (or `collect_sweep`) then `select` from parsed filter arguments; UserError when
     nothing is left."""
     if args.sweep:
-        runs = pd.concat([collect_sweep(folder) for folder in args.sweep], ignore_index=True)
+        runs = collect_sweeps(args.sweep)
         source = ", ".join(str(folder) for folder in args.sweep)
     else:
         if not args.runs.is_dir():

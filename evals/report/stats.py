@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,11 +85,12 @@ class Difference:
         return self.low > 0.0 or self.high < 0.0
 
 
-def run_accuracy_scores(run: Path | str) -> ItemScores | None:
+def run_accuracy_scores(run: Path | str, items: Sequence[str] | None = None) -> ItemScores | None:
     """Per-item accuracy of a run directory: each item's mean correctness over its graded samples,
-    over the items its config covers (items.json); None when it has no generations.jsonl records."""
+    over `items` (a frame's `item_ids`; by default the items its last config covers, items.json);
+    None when it has no generations.jsonl records of them."""
     run = Path(run)
-    records = in_scope(peek_records(run / GENERATIONS), planned_items(run))
+    records = in_scope(peek_records(run / GENERATIONS), planned_items(run) if items is None else items)
     if not records:
         return None
     by_item: dict[str, list[bool]] = defaultdict(list)

@@ -6,8 +6,9 @@
                           [--bootstrap B] [--paired-against fullkv|best] [--recall FILE.csv ...]
                           [--caption TEXT] [--label tab:x] [--wide]
 
-Reads every `metrics.json` under the runs folder, or exactly the runs of a sweep (`--sweep`, its
-`sweep.json`), keeps those the filters select (`evals.report.runs`), one run per table cell (the
+Reads every run under the runs folder, or exactly the runs of a sweep over the items its jobs ran
+(`--sweep`, its `sweep.json`), each run's metrics computed from its stored records over those items,
+keeps those the filters select (`evals.report.runs`), one run per table cell (the
 newest by file mtime, said under the table), and writes `<out>.md`, `<out>.tex` (a LaTeX `table`
 with booktabs rules and a caption) and `<out>.csv` (the same cells as raw numbers).
 
@@ -54,7 +55,7 @@ import pandas as pd
 
 from evals.report.names import DEFAULT_VARIANT, METHOD_NAMES
 from evals.report.recall_runs import RECALL_METRICS, recall_frame
-from evals.report.runs import REFERENCE, add_filters, items_sort_key, keep_newest, label, load, select
+from evals.report.runs import REFERENCE, add_filters, item_ids, items_sort_key, keep_newest, label, load, select
 from evals.report.significance import Comparisons, compare
 from evals.report.stats import BootstrapConfig, Difference, ItemScores, run_accuracy_scores
 from longflow.errors import UserError, report
@@ -278,7 +279,9 @@ def grid_scores(runs: pd.DataFrame, row_keys: list[str], index: pd.MultiIndex, c
     """Each cell's `ItemScores` (None where its run has no per-item records), indexed like the table
     without its difference rows and "Avg.": the frame's `item_scores`, else each run's accuracy per
     item (`run_accuracy_scores`, for `metric` accuracy)."""
-    scores = runs["item_scores"] if "item_scores" in runs else runs["path"].map(run_accuracy_scores)
+    scores = runs["item_scores"] if "item_scores" in runs else pd.Series(
+        [run_accuracy_scores(path, items) for path, items in zip(runs["path"], item_ids(runs), strict=True)],
+        index=runs.index)
     cells = runs.assign(item_scores=scores.where(scores.map(lambda s: isinstance(s, ItemScores)), None))
     wide = cells.pivot(index=row_keys, columns="items", values="item_scores")
     wide.index.names = index.names

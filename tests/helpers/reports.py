@@ -61,3 +61,58 @@ def write_generations(run, correct, samples=1):
     (run / "generations.jsonl").write_text("\n".join(lines) + "\n")
     (run / "items.json").write_text(json.dumps(list(correct)))
     return run
+
+
+def write_recorded_run(root, method, budget, correct, *, planned=None, model="canary", dataset="canary",
+                       method_params=None, generation_params=None, **identity):
+    """A run directory as the entry point leaves it: run.json, a graded generations.jsonl record per
+    item of `correct` (id -> bool), a batch record, the items.json of its last config (`planned` ids,
+    by default those of `correct`) and the metrics.json that config computed; returns its path."""
+    from evals.metrics import summarize
+    from evals.store import in_scope, stable_hash
+
+    identity = {"model": model, "hub_id": "evals/canary/model", "revision": "main", "weights": "hub",
+                "method": method, "variant": "paper", "budget": budget,
+                "method_params": {"variant": "paper", **(method_params or {})},
+                "generation": "greedy", "protocol": "default",
+                "generation_params": {"n_samples": 1, "max_new_tokens": 64, **(generation_params or {})},
+                "dataset": dataset, "kind": "math", "dataset_size": SIZES[dataset], "dataset_fingerprint": "f",
+                "template": "t", **identity}
+    tag = "full" if budget is None else f"b{budget}"
+    run = root / f"{model}__{method}__{tag}__greedy__{dataset}__{stable_hash(identity)}"
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps(identity))
+    records = [{"id": item, "sample": 0, "correct": bool(mark), "output_tokens": 8 + index, "finish_reason": "eos",
+                "reason": "correct" if mark else "mismatch", "peak_slots": budget or 64}
+               for index, (item, mark) in enumerate(correct.items())]
+    (run / "generations.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    batch = {"size": len(records), "prefill_seconds": 0.1, "step_seconds": [0.01] * 8, "generated_tokens": 64,
+             "peak_memory_bytes": None, "device": "cpu"}
+    (run / "batches.jsonl").write_text(json.dumps(batch) + "\n")
+    planned = list(correct) if planned is None else planned
+    (run / "items.json").write_text(json.dumps(planned))
+    metrics = summarize({**identity, "run_id": run.name}, in_scope(records, planned), [batch])
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    return run
+
+
+def write_sweep(folder, jobs, *, command="python -m evals.run -m ...", total=None):
+    """A sweep folder whose sweep.json records `jobs` as `evals.sweeps.SweepRecord` does: each job a
+    list of (run directory, the item ids it covered there); `total` jobs in the command (default: as
+    many as given)."""
+    from evals.store import stable_hash
+
+    folder.mkdir(parents=True, exist_ok=True)
+    item_sets, job_runs = {}, {}
+    for number, job in enumerate(jobs):
+        entries = []
+        for run, items in job:
+            key = stable_hash(sorted(items))
+            item_sets[key] = list(items)
+            entries.append({"run": str(run), "items": key})
+        job_runs[str(number)] = {"ended": 0.0, "runs": entries}
+    runs = list(dict.fromkeys(str(run) for job in jobs for run, _ in job))
+    (folder / "sweep.json").write_text(json.dumps({
+        "command": command, "jobs": len(jobs) if total is None else total, "finished": len(jobs), "started": 0.0,
+        "runs": runs, "job_runs": job_runs, "item_sets": item_sets}))
+    return folder
