@@ -3,9 +3,10 @@ an experiment's, first, then the command line's overrides, a later value of a ke
 earlier one, and every combination of the swept values in order), and the record of the runs it
 made and of the items each job ran them over (`SweepRecord`, a Hydra callback).
 
-`<sweep dir>/sweep.json`:
+`<sweep dir>/sweep.json` (the same command started again keeps the entries of the jobs its earlier
+starts finished; another command into the same folder starts a new record):
 
-    {"command": "python -m evals.run -m ...", "jobs": 8, "finished": 8, "started": <time>,
+    {"command": "python -m evals.run -m ...", "jobs": 8, "finished": 8, "started": <time of this start>,
      "runs": [every run directory a finished job made, as given, each once],
      "job_runs": {"<job number>": {"ended": <time>, "runs": [{"run": <run directory>, "items": <key>}]}},
      "item_sets": {<key>: [the item ids, in the dataset's order]}}
@@ -109,20 +110,35 @@ class SweepRecord(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         jobs = len(sweep_jobs(list(config.hydra.overrides.task)))
         command = shlex.join(["python", "-m", "evals.run", *sys.argv[1:]])
-        _update(Path(config.hydra.sweep.dir) / SWEEP,
-                lambda _: {"command": command, "jobs": jobs, "finished": 0, "started": time.time(), "runs": [],
-                           "job_runs": {}, "item_sets": {}})
+        path = Path(config.hydra.sweep.dir) / SWEEP
+        replaced = []
+
+        def start(record: dict) -> dict:
+            # The same command again (after a refusal, a Ctrl-C, or to resume) keeps what its earlier
+            # starts' jobs recorded: a job it stops before this time still made its runs over its items.
+            same = record.get("command") == command and record.get("jobs") == jobs
+            if record and not same:
+                replaced.append(record.get("command"))
+            kept = record if same else {}
+            job_runs = kept.get("job_runs", {})
+            return {"command": command, "jobs": jobs, "finished": len(job_runs), "started": time.time(),
+                    "runs": kept.get("runs", []), "job_runs": job_runs, "item_sets": kept.get("item_sets", {})}
+
+        _update(path, start)
+        if replaced:
+            print(f"note: {path} recorded another command ({replaced[0]}); it now records this one", flush=True)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         record = _update(Path(config.hydra.sweep.dir) / SWEEP, lambda value: value)
         if not record:
             return
-        finished, jobs = record.get("finished", 0), record["jobs"]
+        number, jobs = HydraConfig.get().job.num, record["jobs"]
+        ended = sum(entry["ended"] >= record["started"] for entry in record.get("job_runs", {}).values())
         left = ""
-        if finished:
-            per_job = (time.time() - record["started"]) / finished
-            left = f", about {_duration(per_job * (jobs - finished))} left"
-        print(f"job {HydraConfig.get().job.num + 1} of {jobs}{left}", flush=True)
+        if ended:
+            per_job = (time.time() - record["started"]) / ended
+            left = f", about {_duration(per_job * (jobs - number))} left"
+        print(f"job {number + 1} of {jobs}{left}", flush=True)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if job_return.status != JobStatus.COMPLETED:  # a refused or failed job covered nothing

@@ -94,9 +94,9 @@ def test_a_sweep_of_the_old_format_is_reported_with_a_warning(two_sweeps, capsys
     assert "records no item sets" in capsys.readouterr().err
 
 
-def job_config(sweep_dir, number: int):
+def job_config(sweep_dir, number: int, task=("method=vanilla,h2o", "limit=2")):
     return OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}, "job": {"num": number},
-                                       "overrides": {"task": ["method=vanilla,h2o", "limit=2"]}}})
+                                       "overrides": {"task": list(task)}}})
 
 
 def test_each_job_records_the_items_its_runs_covered(tmp_path):
@@ -128,3 +128,33 @@ def test_a_later_sweep_of_another_limit_leaves_an_earlier_sweeps_table_as_it_was
     assert out.with_suffix(".md").read_text() == before and "(3 of " in before
     assert main(["--sweep", str(second), "--out", str(out)]) == 0
     assert "(2 of " in out.with_suffix(".md").read_text()
+
+
+def test_the_same_command_again_keeps_what_its_earlier_start_recorded(tmp_path, monkeypatch):
+    """A rerun stopped at its second job (a refusal, Ctrl-C) leaves the three jobs of the first start
+    recorded; another command into the folder starts a record of its own."""
+    root = tmp_path / "runs"
+    made = [write_recorded_run(root, method, 96, dict.fromkeys(TWO, True)) for method in ("h2o", "rkv", "tova")]
+    callback, sweep = SweepRecord(), tmp_path / "sweep"
+    task = ["method=h2o,rkv,tova", "limit=2"]
+    monkeypatch.setattr("sys.argv", ["evals.run", "-m", *task])
+    callback.on_multirun_start(job_config(sweep, 0, task))
+    for number, run in enumerate(made):
+        callback.on_job_end(job_config(sweep, number, task), JobReturn(status=JobStatus.COMPLETED,
+                                                                       _return_value=[str(run)]))
+    callback.on_multirun_start(job_config(sweep, 0, task))
+    callback.on_job_end(job_config(sweep, 0, task), JobReturn(status=JobStatus.COMPLETED, _return_value=[str(made[0])]))
+    record = json.loads((sweep / "sweep.json").read_text())
+    assert record["finished"] == 3 and sorted(record["job_runs"]) == ["0", "1", "2"]
+    assert len(collect_sweeps([sweep])) == 3
+    monkeypatch.setattr("sys.argv", ["evals.run", "-m", "method=h2o,rkv", "limit=2"])
+    callback.on_multirun_start(job_config(sweep, 0, ["method=h2o,rkv", "limit=2"]))
+    assert json.loads((sweep / "sweep.json").read_text())["job_runs"] == {}
+
+
+def test_a_sweep_with_unfinished_jobs_says_so(tmp_path, capsys):
+    root = tmp_path / "runs"
+    runs = [write_recorded_run(root, method, 96, dict.fromkeys(TWO, True)) for method in ("h2o", "rkv", "tova")]
+    sweep = write_sweep(tmp_path / "sweep", [[(run, TWO)] for run in runs], total=8)
+    assert len(collect_sweeps([sweep])) == 3
+    assert f"warning: sweep {sweep}: 3 of 8 jobs finished" in capsys.readouterr().err

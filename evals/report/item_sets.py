@@ -63,10 +63,15 @@ def recorded_item_sets(sweep_dir: Path, sweep: dict) -> dict[Path, list[ItemSet]
 
 
 def sweep_item_sets(sweep_dir: Path) -> dict[Path, list[ItemSet]]:
-    """The runs of one sweep and the item sets its jobs covered there; a warning line when its
-    sweep.json records no item sets (its runs are then reported over the items of their last config,
-    which a later command may have changed)."""
+    """The runs of one sweep and the item sets its jobs covered there; a warning line when some of
+    its jobs did not finish (stopped by a refusal, a failure or Ctrl-C: the table lacks their runs),
+    and when its sweep.json records no item sets (its runs are then reported over the items of their
+    last config, which a later command may have changed)."""
     sweep = read_sweep(sweep_dir)
+    jobs = sweep.get("jobs")
+    finished = len(sweep["job_runs"]) if isinstance(sweep.get("job_runs"), dict) else sweep.get("finished")
+    if isinstance(jobs, int) and isinstance(finished, int) and finished < jobs:
+        warn(f"sweep {sweep_dir}: {finished} of {jobs} jobs finished")
     if "job_runs" in sweep:
         return recorded_item_sets(sweep_dir, sweep)
     warn(f"{sweep_dir / SWEEP} records no item sets (written by an older evals.run): its runs are reported "
