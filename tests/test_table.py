@@ -82,7 +82,7 @@ def test_table_layout_values_and_bold(runs):
     assert values.loc[("tiny_llama", "64", "LongFlow"), "GSM8K (1319)"] == 75.0  # newest of the two
     assert values.loc[("tiny_llama", "64", "LongFlow"), "Avg."] == pytest.approx((100 / 3 + 75 + 50) / 3)
     assert values.loc[("tiny_qwen3", "64", "R-KV"), "Avg."] == 50.0  # over its one dataset
-    assert any("2 runs, kept the newest" in note for note in table.notes)
+    assert any("2 runs with no run.json to tell them apart, kept the newest" in note for note in table.notes)
 
     bold_cells = {(model, method, column) for (model, _, method, column), b in bold.stack().items() if b}
     # Only cells over the same items compete: LongFlow's MATH-500 run stopped at 4 of 500 items, so

@@ -88,14 +88,14 @@ def prepare(runs: pd.DataFrame) -> pd.DataFrame:
     several = runs["generation"].nunique() > 1
     runs["series"] = [f"{m} [{g}]" if several else m
                       for m, g in zip(runs["method_label"], runs["generation"], strict=True)]
-    runs, notes = keep_newest(runs, ["model", "series", "budget_label", "items"])
+    runs, notes = keep_newest(runs, ["model_label", "series", "budget_label", "items"])
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     for column in ("accuracy", "tokens_per_second", LATENCY):
         runs[column] = pd.to_numeric(runs[column], errors="coerce") if column in runs else float("nan")
     runs[ERROR] = standard_error(runs) * 100.0
     runs["accuracy"] = runs["accuracy"] * 100.0  # a fraction; shown in percent as in the table
-    return runs.sort_values(["model", "method_rank", "method", "series", "budget_rank"])
+    return runs.sort_values(["model_label", "method_rank", "method", "series", "budget_rank"])
 
 
 def standard_error(runs: pd.DataFrame) -> pd.Series:
@@ -240,15 +240,15 @@ def save(figure: Figure, path: Path, dpi: int = 150) -> list[Path]:
 
 def plot_accuracy(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     """Accuracy vs KV budget: a panel per (model, item set), a line per method, one y axis."""
-    models, panels = runs["model"].unique(), panel_order(runs)
+    models, panels = runs["model_label"].unique(), panel_order(runs)
     palette = series_styles(runs)
     figure, axes = new_figure(len(models), len(panels), sharey=True)
     for i, model in enumerate(models):
         for j, items in enumerate(panels):
             ax = axes[i][j]
-            cell = runs[(runs["model"] == model) & (runs["items"] == items)]
+            cell = runs[(runs["model_label"] == model) & (runs["items"] == items)]
             draw_lines(ax, cell, "accuracy", palette, ERROR)
-            ax.set_title(f"{label_of(runs, model)}: {items}", fontsize=10)
+            ax.set_title(f"{model}: {items}", fontsize=10)
             ax.set_ylabel("accuracy (%)" if j == 0 else "")
             ax.set_ylim(0, 105)
     add_legend(figure, runs)
@@ -259,7 +259,7 @@ def plot_accuracy_by_method(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     """Accuracy vs KV budget, one panel per compressed method and (model, item set), each with the
     full cache as its reference line: one method's curve read alone, on a shared y axis. Panels wrap
     at `BY_METHOD_COLUMNS` per row; each is titled by its method, so the legend names only FullKV."""
-    cells = list(runs[["model", "items"]].drop_duplicates().itertuples(index=False, name=None))
+    cells = list(runs[["model_label", "items"]].drop_duplicates().itertuples(index=False, name=None))
     order = panel_order(runs)
     cells.sort(key=lambda cell: (cell[0], order.index(cell[1])))
     methods = list(runs.loc[runs["method"] != REFERENCE, "series"].drop_duplicates())
@@ -269,30 +269,30 @@ def plot_accuracy_by_method(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     figure, axes = new_figure(-(-len(panels) // columns), columns, sharey=True)
     for index, ((model, items), series) in enumerate(panels):
         ax = axes[index // columns][index % columns]
-        cell = runs[(runs["model"] == model) & (runs["items"] == items)]
+        cell = runs[(runs["model_label"] == model) & (runs["items"] == items)]
         draw_lines(ax, cell[(cell["method"] == REFERENCE) | (cell["series"] == series)], "accuracy", palette, ERROR)
-        ax.set_title(series if len(cells) == 1 else f"{series}: {label_of(runs, model)}, {items}", fontsize=10)
+        ax.set_title(series if len(cells) == 1 else f"{series}: {model}, {items}", fontsize=10)
         ax.set_ylabel("accuracy (%)" if index % columns == 0 else "")
         ax.set_ylim(0, 105)
     for index in range(len(panels), len(axes) * columns):
         axes[index // columns][index % columns].set_visible(False)
     if len(cells) == 1:
-        figure.suptitle(f"{label_of(runs, cells[0][0])}: {cells[0][1]}", fontsize=10)
+        figure.suptitle(f"{cells[0][0]}: {cells[0][1]}", fontsize=10)
     add_legend(figure, runs, only=set(runs.loc[runs["method"] == REFERENCE, "series"]))
     return save(figure, out_dir / "accuracy_by_method.png")
 
 
 def plot_throughput(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     """Tokens/s and decode-step latency p50 vs KV budget, per model, means over the datasets."""
-    models = runs["model"].unique()
+    models = runs["model_label"].unique()
     palette = series_styles(runs)
-    means = (runs.groupby(["model", "series", "budget_label"], sort=False)
+    means = (runs.groupby(["model_label", "series", "budget_label"], sort=False)
              .agg(method=("method", "first"), budget=("budget", "first"), complete=("complete", "all"),
                   tokens_per_second=("tokens_per_second", "mean"), latency=(LATENCY, "mean"))
              .reset_index())
     figure, axes = new_figure(len(models), 2)
     for i, model in enumerate(models):
-        data = means[means["model"] == model]
+        data = means[means["model_label"] == model]
         for ax, column, title, ylabel in ((axes[i][0], "tokens_per_second", "throughput", "tokens/s"),
                                           (axes[i][1], "latency", "decode step p50", "ms")):
             draw_lines(ax, data, column, palette)
@@ -306,13 +306,13 @@ def plot_throughput(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
 def plot_methods(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     """One budget: accuracy bars per item set and method (error bars: one standard error), and tokens/s
     per method (mean over datasets); the accuracy panels of the models share their y axis."""
-    models, panels = runs["model"].unique(), panel_order(runs)
+    models, panels = runs["model_label"].unique(), panel_order(runs)
     palette = colors(runs)
     figure, axes = new_figure(len(models), 2)
     budgets = sorted(runs.loc[runs["method"] != REFERENCE, "budget"].dropna().astype(int).unique())
     budget = f"budget {budgets[0]}" if budgets else "full cache"
     for i, model in enumerate(models):
-        data = runs[runs["model"] == model]
+        data = runs[runs["model_label"] == model]
         series = list(data["series"].drop_duplicates())
         order = [d for d in panels if d in set(data["items"])]
         accuracy, complete, error = (data.pivot(index="items", columns="series", values=column)
@@ -329,13 +329,13 @@ def plot_methods(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
         ax.set_xticks(range(len(order)), order)
         ax.set_ylabel("accuracy (%), ±1 standard error")
         ax.set_ylim(0, 105)
-        ax.set_title(f"{label_of(runs, model)}: accuracy, {budget}", fontsize=10)
+        ax.set_title(f"{model}: accuracy, {budget}", fontsize=10)
         speed = data.groupby("series", sort=False)["tokens_per_second"].mean().reindex(series)
         ax = axes[i][1]
         ax.bar(range(len(series)), speed.to_numpy(), color=[palette[s] for s in series])
         ax.set_xticks(range(len(series)), series, rotation=30, ha="right")
         ax.set_ylabel("tokens/s")
-        ax.set_title(f"{label_of(runs, model)}: throughput, mean over datasets", fontsize=10)
+        ax.set_title(f"{model}: throughput, mean over datasets", fontsize=10)
         for ax in axes[i]:
             ax.grid(axis="y", alpha=0.3)
     add_legend(figure, runs, bars=True)
@@ -498,12 +498,13 @@ def plot_model_sizes(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
     budgets = sorted(runs.loc[runs["method"] != REFERENCE, "budget"].dropna().astype(int).unique())
     if len(budgets) > 1:
         raise UserError(f"the runs have KV budgets {', '.join(map(str, budgets))}; choose one with --budget")
-    models = sorted(runs["model"].unique(), key=lambda m: (model_size(m) is None, model_size(m) or 0.0, m))
+    sizes = runs.drop_duplicates("model_label").set_index("model_label")["model"].map(model_size)
+    models = sorted(sizes.index, key=lambda m: (pd.isna(sizes[m]), 0.0 if pd.isna(sizes[m]) else sizes[m], m))
     position = {model: float(i) for i, model in enumerate(models)}
-    runs["x"] = runs["model"].map(position)
+    runs["x"] = runs["model_label"].map(position)
     panels = panel_order(runs)
     if averaged(runs):
-        runs = with_average(runs, ["series", "model", "x"])
+        runs = with_average(runs, ["series", "model_label", "x"])
         panels.append(AVERAGE)
     palette = series_styles(runs)
     with matplotlib.rc_context(PAPER_STYLE):
@@ -523,7 +524,7 @@ def plot_model_sizes(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
                 if hollow.any():
                     ax.plot(points["x"][hollow], points["accuracy"][hollow], linestyle="none",
                             marker=style.marker or "o", markerfacecolor="white", color=style.color)
-            ax.set_xticks(range(len(models)), [label_of(runs, m) for m in models], rotation=30, ha="right")
+            ax.set_xticks(range(len(models)), models, rotation=30, ha="right")
             ax.set_xlim(-0.3, len(models) - 0.7)
             ax.set_title(items)
             ax.set_ylim(0, 105)
@@ -532,10 +533,6 @@ def plot_model_sizes(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
             figure.suptitle(f"KV budget {budgets[0]}", fontsize=9)
         add_legend(figure, runs, below=True)
     return save_paper(figure, Path(out_dir) / "model_sizes")
-
-
-def label_of(runs: pd.DataFrame, model: str) -> str:
-    return runs.loc[runs["model"] == model, "model_label"].dropna().iloc[0]
 
 
 FIGURES = ("sweep", "lengths", "sizes", "fidelity", "acceptance", "heatmap")
@@ -581,17 +578,17 @@ def plot_fidelity(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
     runs = runs[[(Path(path) / FIDELITY).exists() for path in runs["path"]]]
     if runs.empty:
         raise UserError(f"no selected run has {FIDELITY} (run evals.run with fidelity=true)")
-    cells = list(runs.groupby(["model", "items", "budget_rank", "budget_label"], sort=False).groups)
+    cells = list(runs.groupby(["model_label", "items", "budget_rank", "budget_label"], sort=False).groups)
     order = panel_order(runs)
     cells.sort(key=lambda cell: (cell[0], order.index(cell[1]), cell[2]))
-    heights = [max(1.6, ROW_INCHES * len(runs[(runs["model"] == m) & (runs["items"] == i) & (runs["budget_rank"] == r)])
-                   + 0.9) for m, i, r, _ in cells]
+    heights = [max(1.6, ROW_INCHES * len(runs[(runs["model_label"] == m) & (runs["items"] == i)
+                                              & (runs["budget_rank"] == r)]) + 0.9) for m, i, r, _ in cells]
     figure = Figure(figsize=(2 * PANEL[0] + 1.2, sum(heights) + COLORBAR_INCHES), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(cells), 2, squeeze=False, gridspec_kw={"height_ratios": heights})
     agreement_map, kl_map = None, None
     for row, (model, dataset, rank, budget) in enumerate(cells):
-        cell = runs[(runs["model"] == model) & (runs["items"] == dataset) & (runs["budget_rank"] == rank)]
+        cell = runs[(runs["model_label"] == model) & (runs["items"] == dataset) & (runs["budget_rank"] == rank)]
         series, (agreement, kl) = fidelity_curves(cell, ("agreement", "kl"))
         extent = (-0.5, agreement.shape[1] - 0.5, len(series) - 0.5, -0.5)
         left, right = axes[row]
@@ -606,7 +603,7 @@ def plot_fidelity(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
                     markeredgewidth=1.5)
             ax.set_yticks(range(len(series)), series if ax is left else [""] * len(series))
             ax.set_xlabel(f"output step (mean over the last {FIDELITY_WINDOW})")
-        left.set_title(f"{label_of(runs, model)}: {dataset}, budget {budget}: top-1 agreement (%)", fontsize=10)
+        left.set_title(f"{model}: {dataset}, budget {budget}: top-1 agreement (%)", fontsize=10)
         right.set_title(f"budget {budget}: KL(full || method), nats", fontsize=10)
     # Under each column: beside it, the first column's bar and label ran into the second's panels and
     # the second's label off the canvas.
@@ -646,14 +643,14 @@ def plot_acceptance(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
         raise UserError("no run with verify=vericache to plot")
     runs = prepare(runs[runs["verify"] == "vericache"])
     runs["accepted_per_round"] = pd.to_numeric(runs["accepted_per_round"], errors="coerce")
-    cells = list(runs[["model", "items"]].drop_duplicates().itertuples(index=False, name=None))
+    cells = list(runs[["model_label", "items"]].drop_duplicates().itertuples(index=False, name=None))
     palette = series_styles(runs)
     figure, axes = new_figure(1, len(cells), sharey=True)
     for ax, (model, items) in zip(axes[0], cells, strict=True):
-        draw_lines(ax, runs[(runs["model"] == model) & (runs["items"] == items)], "accepted_per_round", palette)
+        draw_lines(ax, runs[(runs["model_label"] == model) & (runs["items"] == items)], "accepted_per_round", palette)
         for horizon in runs["verify_horizon"].dropna().unique():
             ax.axhline(float(horizon), color=REFERENCE_COLOR, linestyle=":", linewidth=1.0)
-        ax.set_title(f"{label_of(runs, model)}: {items}", fontsize=10)
+        ax.set_title(f"{model}: {items}", fontsize=10)
         ax.set_ylabel("accepted drafts per verify round")
         ax.set_ylim(bottom=0)
     add_legend(figure, runs)

@@ -6,7 +6,9 @@
 
 Columns: the run's keys (`RUN_KEYS`: run_id, model, method, variant, budget, generation, dataset,
 item counts and `item_set` (a hash of the item ids: a run reported over two item sets is two runs
-here), complete, dirty (made from a checkout with uncommitted changes), path), then `metric`,
+here), complete, dirty (made from a checkout with uncommitted changes), path), the run's settings
+from its run.json (`evals.report.settings`: `model.hub_id`, `model.checkpoint`, ..., `method.<parameter>`,
+`generation.<parameter>`, `template`, ...; empty for a run without one), then `metric`,
 a numeric metrics.json key with nested keys joined by dots (accuracy, accuracy_stderr, pass_at_k.4,
 tokens_per_second, step_latency_ms.p50, finish_reasons.length, grade_reasons.truncated, ...), and
 `value`. Runs are read as for `evals.table` (`evals.report.runs`, the same filters), every run kept
@@ -23,6 +25,7 @@ from pathlib import Path
 import pandas as pd
 
 from evals.report.runs import add_filters, load
+from evals.report.settings import PREFIX, setting_columns
 from longflow.errors import UserError, report
 
 RUN_KEYS = ["run_id", "model", "hub_id", "method", "variant", "budget_mode", "budget", "generation", "dataset",
@@ -35,10 +38,12 @@ def long_format(runs: pd.DataFrame) -> pd.DataFrame:
     missing values dropped. Sorted by run keys, then metric."""
     if runs.empty:
         raise UserError("no runs to write")
-    keys = [key for key in RUN_KEYS if key in runs]
-    metrics = [column for column in runs.columns if column not in NOT_METRICS
+    configs = setting_columns(runs)
+    keys = [key for key in RUN_KEYS if key in runs] + configs
+    metrics = [column for column in runs.columns if column not in NOT_METRICS and column not in configs
                and pd.api.types.is_numeric_dtype(runs[column]) and not pd.api.types.is_bool_dtype(runs[column])]
     long = runs.melt(id_vars=keys, value_vars=metrics, var_name="metric", value_name="value")
+    long = long.rename(columns={column: column.removeprefix(PREFIX) for column in configs})
     long = long.dropna(subset=["value"])
     long["value"] = long["value"].astype(float)
     return long.sort_values(["model", "method", "variant", "budget", "generation", "dataset", "run_id", "metric"],

@@ -26,6 +26,7 @@ from evals.report.names import (
     method_rank,
     model_name,
 )
+from evals.report.settings import known, settings, split_labels
 from evals.store import (
     BATCHES,
     FIDELITY,
@@ -41,6 +42,8 @@ from evals.store import (
 from longflow.errors import UserError
 
 REFERENCE = "vanilla"  # the full cache: budget "-", listed first, kept by the method and budget filters
+# What a row of a table (a series of a figure) is: runs that share these and an item set are one cell.
+ROW_KEYS = ["model_label", "budget_label", "method_label", "generation"]
 
 
 def dirty_flag(run: Path) -> bool | None:
@@ -144,7 +147,8 @@ def read_run(run: Path, item_sets: list[ItemSet], every_item_on_disk: bool = Fal
         found.append({**metrics, "path": str(run), "mtime": (run / METRICS).stat().st_mtime,
                       "n_planned": None if items is None else len(items),
                       "item_set": None if items is None else stable_hash(sorted(map(str, items)), length=6),
-                      "item_ids": None if items is None else tuple(items), "dirty": dirty_flag(run)})
+                      "item_ids": None if items is None else tuple(items), "dirty": dirty_flag(run),
+                      **settings(records.identity)})
     return found
 
 
@@ -238,7 +242,8 @@ def label(runs: pd.DataFrame) -> pd.DataFrame:
     dataset_label, `items` (the dataset and the items run, "canary (16 of 200)": a table's column, a
     figure's panel), sort keys, and `finished`: whether a run did every item its config asked for (a
     run of the first items, `limit`, is finished when it has them; a run of a whole benchmark when it
-    is complete, every sample included). Shared by the table and the figures."""
+    is complete, every sample included). The labels of runs that would share a cell but differ in a
+    setting carry it (`evals.report.settings.split_labels`). Shared by the table and the figures."""
     runs = runs.copy()
     done, planned, size = (runs[column].astype("Float64").fillna(float("nan")).astype(float)
                            for column in ("n_items", "n_planned", "dataset_size"))
@@ -262,7 +267,7 @@ def label(runs: pd.DataFrame) -> pd.DataFrame:
     if "item_set" not in runs:
         runs["item_set"] = None
     runs["items"] = items_labels(runs)
-    return runs
+    return split_labels(runs, [key for key in ROW_KEYS if key in runs])
 
 
 def items_text(dataset: str, planned, size) -> str:
@@ -302,13 +307,18 @@ def items_sort_key(runs: pd.DataFrame) -> dict[str, tuple]:
 
 def keep_newest(runs: pd.DataFrame, keys: list[str]) -> tuple[pd.DataFrame, list[str]]:
     """One run per `keys` value, the newest by metrics.json mtime; and a note for each key that had
-    several (other seeds, reruns with a changed config)."""
+    several, saying what they share. Runs whose settings differ have other labels (`split_labels`), so
+    those left here are one configuration: copies of one run (every setting of run.json matched), or
+    runs without a run.json to tell them apart."""
     runs = runs.sort_values("mtime", kind="stable")
     notes = []
     for key, group in runs.groupby(keys, sort=True):
         if len(group) > 1:
             where = " / ".join(str(k) for k in key)
-            notes.append(f"{where}: {len(group)} runs, kept the newest ({Path(group['path'].iloc[-1]).name})")
+            same = ("the same model, method and generation settings, every field of their run.json"
+                    if known(group).all() else "no run.json to tell them apart")
+            notes.append(f"{where}: {len(group)} runs with {same}, kept the newest "
+                         f"({Path(group['path'].iloc[-1]).name})")
     return runs.drop_duplicates(keys, keep="last"), notes
 
 

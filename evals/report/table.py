@@ -8,8 +8,9 @@
 
 Reads every run under the runs folder, or exactly the runs of a sweep over the items its jobs ran
 (`--sweep`, its `sweep.json`), each run's metrics computed from its stored records over those items,
-keeps those the filters select (`evals.report.runs`), one run per table cell (the
-newest by file mtime, said under the table), and writes `<out>.md`, `<out>.tex` (a LaTeX `table`
+keeps those the filters select (`evals.report.runs`), one run per table cell (runs that differ in
+a setting are rows of their own, labelled by it, `evals.report.settings`; of copies of one
+configuration the newest by file mtime, said under the table), and writes `<out>.md`, `<out>.tex` (a LaTeX `table`
 with booktabs rules and a caption) and `<out>.csv` (the same cells as raw numbers).
 
 As in the paper: FullKV (the full cache, the reference) first, then one block of rows per KV budget,
@@ -56,6 +57,7 @@ import pandas as pd
 from evals.report.names import DEFAULT_VARIANT, METHOD_NAMES
 from evals.report.recall_runs import RECALL_METRICS, recall_frame
 from evals.report.runs import REFERENCE, add_filters, item_ids, items_sort_key, keep_newest, label, load, select
+from evals.report.settings import setting_columns
 from evals.report.significance import Comparisons, compare
 from evals.report.stats import BootstrapConfig, Difference, ItemScores, run_accuracy_scores
 from longflow.errors import UserError, report
@@ -173,7 +175,8 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
     if runs.empty:
         raise UserError("no runs to tabulate (check --runs or --sweep, and the filters)")
     if metric not in runs:
-        numeric = sorted(c for c in runs.columns if pd.api.types.is_numeric_dtype(runs[c]) and c != "mtime")
+        numeric = sorted(c for c in runs.columns if pd.api.types.is_numeric_dtype(runs[c]) and c != "mtime"
+                         and c not in setting_columns(runs))
         raise UserError(f"unknown metric {metric!r}; the runs have {', '.join(numeric)}")
     if stderr and metric != "accuracy":
         raise UserError(f"--stderr is for --metric accuracy, not {metric!r}")
