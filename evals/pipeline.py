@@ -293,8 +293,18 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
             run.clear()
         else:
             check_code(run.path, run.read_json(PROVENANCE, default=[]), code, setup.allow_code_change)
-        run.update_json(PROVENANCE, lambda entries: [*entries, provenance(seeds, engine.device, code)],
-                        default=[])
+        start = []  # this start's position in provenance.json, under the write lock (shards start at once)
+
+        def add_start(entries: list[dict]) -> list[dict]:
+            start.append(len(entries))
+            return [*entries, provenance(seeds, engine.device, code)]
+
+        def store(records: list[dict], batch: dict | None = None) -> dict[str, Any]:
+            # Each record names the start that made it: what made a run's records is the code of those
+            # starts, not of a later start that found nothing to do (evals.report.provenance).
+            return run.commit([{**record, "start": start[0]} for record in records], batch, metrics_of)
+
+        run.update_json(PROVENANCE, add_start, default=[])
         run.write_json(ITEMS, [item.id for item in job.items])
         if config_yaml is not None:
             run.write_text(CONFIG, config_yaml)
@@ -311,18 +321,18 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
         progress = tqdm(total=len(work), desc=name, unit="sample", dynamic_ncols=True, disable=not work)
         too_long = [u for u in work if len(prompts[u[0].id]) + generation.max_new_tokens > max_positions]
         if too_long:
-            run.commit([failure_record(item, sample, job, len(prompts[item.id]), "prompt_too_long")
-                        for item, sample in too_long], None, metrics_of)
+            store([failure_record(item, sample, job, len(prompts[item.id]), "prompt_too_long")
+                   for item, sample in too_long])
             progress.update(len(too_long))
         work = [u for u in work if u not in too_long]
         work, reused = split_work(work, setup.reuse_full_cache, setup.policy, identity, results_dir, engine,
                                   generation, tokenizer, prompts)
         if reused:
-            run.commit(reused, None, metrics_of)
+            store(reused)
             progress.update(len(reused))
         try:
             for new_records, batch in generate_batches(work, job, setup, engine, tokenizer, prompts):
-                run.commit(new_records, batch, metrics_of)
+                store(new_records, batch)
                 progress.update(len(new_records))
             progress.close()
             if setup.fidelity and not isinstance(setup.policy, VanillaPolicy):  # the reference: nothing to compare

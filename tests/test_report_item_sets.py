@@ -8,7 +8,7 @@ import json
 
 import pytest
 from helpers.reports import write_recorded_run, write_sweep
-from helpers.runs import BASE, run_cli
+from helpers.runs import BASE, records, run_cli, run_dirs
 from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
@@ -128,6 +128,9 @@ def test_a_later_sweep_of_another_limit_leaves_an_earlier_sweeps_table_as_it_was
     assert out.with_suffix(".md").read_text() == before and "(3 of " in before
     assert main(["--sweep", str(second), "--out", str(out)]) == 0
     assert "(2 of " in out.with_suffix(".md").read_text()
+    for run in run_dirs(tmp_path / "runs"):  # each record names the start that made it: the first
+        assert len(json.loads((run / "provenance.json").read_text())) == 2
+        assert {record["start"] for record in records(run)} == {0}
 
 
 def test_the_same_command_again_keeps_what_its_earlier_start_recorded(tmp_path, monkeypatch):

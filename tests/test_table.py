@@ -321,7 +321,7 @@ def test_dirty_runs_are_marked(tmp_path):
     assert table.dirty["GSM8K (1319)"].tolist() == [False, False, True]  # H2O, R-KV, LongFlow
     md = render_markdown(table)
     assert "| **50.0**‡ |" in md
-    assert "‡ made from a checkout with uncommitted changes (provenance.json): 64 / LongFlow / GSM8K (1319)" in md
+    assert "‡ made by uncommitted code (provenance.json): 64 / LongFlow / GSM8K (1319)" in md
     assert table_csv(table)["Dirty"].tolist() == ["", "", "GSM8K (1319)"]
     assert r"\textbf{50.0}$^\ddagger$" in render_latex(table)
 
@@ -363,4 +363,4 @@ def test_every_run_dirty_is_one_line(tmp_path):
         (run / "provenance.json").write_text(json.dumps([{"git_dirty": True}]))
     table = build_table(collect(root))
     assert not table.dirty.to_numpy().any()
-    assert table.footnotes == ["every run was made from a checkout with uncommitted changes (provenance.json)"]
+    assert table.footnotes == ["every run was made by uncommitted code (provenance.json)"]

@@ -6,7 +6,7 @@
 
 Columns: the run's keys (`RUN_KEYS`: run_id, model, method, variant, budget, generation, dataset,
 item counts and `item_set` (a hash of the item ids: a run reported over two item sets is two runs
-here), complete, dirty (made from a checkout with uncommitted changes), path), the run's settings
+here), complete, dirty (made by uncommitted code, `evals.report.provenance`), path), the run's settings
 from its run.json (`evals.report.settings`: `model.hub_id`, `model.checkpoint`, ..., `method.<parameter>`,
 `generation.<parameter>`, `template`, ...; empty for a run without one), then `metric`,
 a numeric metrics.json key with nested keys joined by dots (accuracy, accuracy_stderr, pass_at_k.4,

@@ -26,6 +26,7 @@ from evals.report.names import (
     method_rank,
     model_name,
 )
+from evals.report.provenance import uncommitted
 from evals.report.settings import known, settings, split_labels
 from evals.store import (
     BATCHES,
@@ -33,7 +34,6 @@ from evals.store import (
     GENERATIONS,
     IDENTITY,
     METRICS,
-    PROVENANCE,
     in_scope,
     peek_records,
     planned_items,
@@ -44,19 +44,6 @@ from longflow.errors import UserError
 REFERENCE = "vanilla"  # the full cache: budget "-", listed first, kept by the method and budget filters
 # What a row of a table (a series of a figure) is: runs that share these and an item set are one cell.
 ROW_KEYS = ["model_label", "budget_label", "method_label", "generation"]
-
-
-def dirty_flag(run: Path) -> bool | None:
-    """Whether any start of the run was made from a checkout with uncommitted changes: provenance.json's
-    `git_dirty`, in its list of one entry per start (or a single entry); None when no entry says."""
-    try:
-        entries = json.loads((run / PROVENANCE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    entries = entries if isinstance(entries, list) else [entries]
-    flags = [entry.get("git_dirty") for entry in entries if isinstance(entry, dict)]
-    flags = [flag for flag in flags if isinstance(flag, bool)]
-    return any(flags) if flags else None
 
 
 def read_metrics(path: Path) -> dict | None:
@@ -108,11 +95,15 @@ class StoredRecords:
         if self.generations is None:
             return None
         try:
-            return summarize({**self.identity, "run_id": self.run.name}, in_scope(self.generations, items),
-                             self.batches, in_scope(self.fidelity, items))
+            return summarize({**self.identity, "run_id": self.run.name}, self.scoped(items), self.batches,
+                             in_scope(self.fidelity, items))
         except (KeyError, TypeError) as error:
             warn(f"{self.run}: its {IDENTITY} or records lack {error}; reporting its metrics.json")
             return None
+
+    def scoped(self, items: ItemSet) -> list[dict] | None:
+        """The generation records of `items` (every one when None); None when there are none to read."""
+        return None if self.generations is None else in_scope(self.generations, items)
 
     def every_item(self) -> list[str]:
         return list(dict.fromkeys(record["id"] for record in self.generations or []))
@@ -122,8 +113,9 @@ def read_run(run: Path, item_sets: list[ItemSet], every_item_on_disk: bool = Fal
     """One record per distinct item set of `item_sets` (None: the items of the run's last config,
     items.json): the run's metrics over those items from its stored records (`StoredRecords.metrics`),
     plus `path`, `mtime`, `n_planned` (the set's size), `item_set` (a hash of its ids), `item_ids` and
-    `dirty`. With `every_item_on_disk`, also over every item the run holds when some lie outside all
-    of `item_sets` (a later config of a smaller `limit` left them). A run without records (metrics.json
+    `dirty` (whether a start that made those records ran uncommitted code: `evals.report.provenance`).
+    With `every_item_on_disk`, also over every item the run holds when some lie outside all of
+    `item_sets` (a later config of a smaller `limit` left them). A run without records (metrics.json
     alone) is reported from metrics.json, over its last config's items only. [] when metrics.json is
     unreadable (`read_metrics`)."""
     stored = read_metrics(run / METRICS)
@@ -147,7 +139,8 @@ def read_run(run: Path, item_sets: list[ItemSet], every_item_on_disk: bool = Fal
         found.append({**metrics, "path": str(run), "mtime": (run / METRICS).stat().st_mtime,
                       "n_planned": None if items is None else len(items),
                       "item_set": None if items is None else stable_hash(sorted(map(str, items)), length=6),
-                      "item_ids": None if items is None else tuple(items), "dirty": dirty_flag(run),
+                      "item_ids": None if items is None else tuple(items),
+                      "dirty": uncommitted(run, records.scoped(items)),
                       **settings(records.identity)})
     return found
 

@@ -19,9 +19,10 @@ methods in a fixed order. A column is one dataset over one set of items, its hea
 marks the best compressed method within each budget and column, compared only between cells over
 the same items: a cell whose run is unfinished (a dagger, listed in a footnote) is not a candidate,
 nor is FullKV, nor the "Avg." of a row that lacks a column its block has. "Avg." (with two columns
-or more, of different datasets) is the mean over the columns a row has. A cell made from a checkout
-with uncommitted changes (provenance.json's `git_dirty`) carries a double dagger (a line under the
-table says so instead when every run was). A column without a FullKV run is named in a note.
+or more, of different datasets) is the mean over the columns a row has. A cell whose records were
+made by uncommitted code (a Python source the start that made them ran differs from its commit,
+`evals.report.provenance`) carries a double dagger (a line under the table says so instead when
+every run was). A column without a FullKV run is named in a note.
 Accuracy is shown in percent with one decimal. `--stderr` adds each cell's standard error
 (`evals.metrics.accuracy_stderr`; for Avg., that of the mean of independent datasets, when every
 cell of the row has one).
@@ -106,7 +107,7 @@ class Table:
     values: pd.DataFrame  # floats, in percent for accuracy-like metrics
     bold: pd.DataFrame  # bool
     partial: pd.DataFrame  # bool: an unfinished run, over fewer items than its column's
-    dirty: pd.DataFrame  # bool: made from a checkout with uncommitted changes
+    dirty: pd.DataFrame  # bool: made by uncommitted code (`evals.report.provenance`)
     delta: pd.Series  # bool per row: a difference between two variants of a method, shown signed
     stderr: pd.DataFrame | None  # standard errors, in the values' unit (--stderr); NaN on difference rows
     footnotes: list[str]  # one line for the partial cells, one for the dirty ones, when there are any
@@ -257,9 +258,9 @@ def build_table(runs: pd.DataFrame, metric: str = "accuracy", decimals: int | No
     unclean = runs[runs["dirty_cell"]].sort_values(order_keys)
     if not unclean.empty:
         where = "; ".join(" / ".join(str(run[k]) for k in keys + ["items"]) for _, run in unclean.iterrows())
-        footnotes.append(f"{DIRTY} made from a checkout with uncommitted changes (provenance.json): {where}")
+        footnotes.append(f"{DIRTY} made by uncommitted code (provenance.json): {where}")
     elif dirty_runs.any():
-        footnotes.append("every run was made from a checkout with uncommitted changes (provenance.json)")
+        footnotes.append("every run was made by uncommitted code (provenance.json)")
 
     notes = []
     if bold.to_numpy().any() or partial.to_numpy().any():
@@ -470,8 +471,7 @@ def table_csv(table: Table) -> pd.DataFrame:
     """The table as raw numbers: row keys (budget empty for the full cache), one column per item-set
     header and Avg. (written to 12 significant digits), with `--stderr` a "<column> SE" column after each, with
     `--bootstrap` the intervals after each (`interval_columns`), and `Partial` and `Dirty`: the
-    headers of the row's incomplete cells, and of its cells made from a checkout with uncommitted
-    changes."""
+    headers of the row's incomplete cells, and of its cells made by uncommitted code."""
     flat = table.values.reset_index()
     if table.stderr is not None or table.comparisons is not None:
         keys = list(table.values.index.names)
