@@ -54,3 +54,5 @@ def test_filters(tmp_path, capsys):
     assert set(pd.read_csv(out)["model"]) == {"n"}
     assert main(["--runs", str(tmp_path / "none")]) == 2
     assert capsys.readouterr().err.startswith("error: runs folder")
+    assert main(["--runs", str(root), "--out", str(out), "--model", "o"]) == 2
+    assert capsys.readouterr().err == f"error: --model o matches nothing in {root}, which has model m, n\n"

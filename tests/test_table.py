@@ -364,3 +364,25 @@ def test_every_run_dirty_is_one_line(tmp_path):
     table = build_table(collect(root))
     assert not table.dirty.to_numpy().any()
     assert table.footnotes == ["every run was made by uncommitted code (provenance.json)"]
+
+
+def test_a_filter_that_matches_nothing_is_an_error_naming_what_there_is(runs, tmp_path, capsys):
+    out = str(tmp_path / "t")
+    assert main(["--runs", str(runs), "--out", out, "--method", "h2oo"]) == 2
+    assert (f"error: --method h2oo matches nothing in {runs}, which has method h2o, longflow, rkv, streaming, "
+            "vanilla\n") in capsys.readouterr().err
+    assert main(["--runs", str(runs), "--out", out, "--budget", "97"]) == 2
+    assert f"error: --budget 97 matches nothing in {runs}, which has budget 64\n" in capsys.readouterr().err
+    assert main(["--runs", str(runs), "--out", out, "--method", "streaming", "--model", "tiny_qwen3"]) == 2
+    assert f"error: nothing in {runs} matches the filters together (FullKV aside" in capsys.readouterr().err
+    assert main(["--runs", str(runs), "--out", out, "--method", "vanilla"]) == 0  # FullKV alone, as asked
+    assert not (tmp_path / "results").exists()
+
+
+def test_the_default_output_is_not_table_1(runs, tmp_path, monkeypatch, capsys):
+    """`make table1` writes results/table1.*; a table without --out goes where `make table` writes."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["--runs", str(runs)]) == 0
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["table.csv", "table.md", "table.tex"]
+    assert main(["--runs", str(runs), "--metric", "peak_kv_slots"]) == 0
+    assert (tmp_path / "results" / "table_peak_kv_slots.md").exists()

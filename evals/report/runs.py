@@ -331,8 +331,7 @@ def add_filters(parser: argparse.ArgumentParser) -> None:
 
 
 def load(args: argparse.Namespace) -> pd.DataFrame:
-    """`collect` (or `collect_sweep`) then `select` from parsed filter arguments; UserError when
-    nothing is left."""
+    """`collect` (or `collect_sweeps`) then `select_filtered` by the parsed filter arguments."""
     if args.sweep:
         runs = collect_sweeps(args.sweep)
         source = ", ".join(str(folder) for folder in args.sweep)
@@ -342,7 +341,31 @@ def load(args: argparse.Namespace) -> pd.DataFrame:
         runs, source = collect(args.runs), str(args.runs)
     if runs.empty:
         raise UserError(f"no {METRICS} found under {source}")
-    runs = select(runs, args.model, args.dataset, args.generation, args.method, args.budget, args.limit)
-    if runs.empty:
-        raise UserError(f"no runs of {source} match the filters")
-    return runs
+    return select_filtered(runs, args, source)
+
+
+def present(values: pd.Series) -> str:
+    return ", ".join(sorted({str(int(v)) if isinstance(v, float) else str(v) for v in values.dropna()}))
+
+
+def select_filtered(runs: pd.DataFrame, args: argparse.Namespace, source: str) -> pd.DataFrame:
+    """`select` by the parsed filter arguments. A filter value that matches nothing (a typo:
+    `--method h2oo`, `--budget 97`) is a UserError naming the values there are, and so is a
+    combination that leaves only FullKV, which the method and budget filters keep whatever they
+    say: a table of the reference alone answers nothing that was asked. `source` names where the
+    runs came from in the messages."""
+    datasets = pd.concat([runs["dataset"], runs["dataset"].map(dataset_name)])
+    for flag, asked, there in (("--model", args.model, runs["model"]), ("--method", args.method, runs["method"]),
+                               ("--budget", args.budget, runs["budget"]), ("--dataset", args.dataset, datasets),
+                               ("--limit", args.limit, runs["n_planned"]),
+                               ("--generation", [args.generation] if args.generation else None, runs["generation"])):
+        known = set(there.dropna().tolist())
+        missing = [value for value in asked or [] if value not in known]
+        if missing:
+            raise UserError(f"{flag} {' '.join(map(str, missing))} matches nothing in {source}, which has "
+                            f"{flag[2:]} {present(there)}")
+    selected = select(runs, args.model, args.dataset, args.generation, args.method, args.budget, args.limit)
+    if selected.empty or ((args.method or args.budget) and (selected["method"] == REFERENCE).all()
+                          and set(args.method or []) != {REFERENCE}):
+        raise UserError(f"nothing in {source} matches the filters together (FullKV aside, which they always keep)")
+    return selected

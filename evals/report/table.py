@@ -1,6 +1,6 @@
 """The paper's Table 1 from run directories: rows grouped by KV budget, one column per item set.
 
-    python -m evals.table [--runs results/runs | --sweep DIR ...] [--out results/table1]
+    python -m evals.table [--runs results/runs | --sweep DIR ...] [--out results/table]
                           [--model M ...] [--method M ...] [--budget N ...] [--dataset D ...]
                           [--limit N ...] [--generation G] [--metric accuracy] [--stderr]
                           [--bootstrap B] [--paired-against fullkv|best] [--recall FILE.csv ...]
@@ -57,7 +57,16 @@ import pandas as pd
 
 from evals.report.names import DEFAULT_VARIANT, METHOD_NAMES
 from evals.report.recall_runs import RECALL_METRICS, recall_frame
-from evals.report.runs import REFERENCE, add_filters, item_ids, items_sort_key, keep_newest, label, load, select
+from evals.report.runs import (
+    REFERENCE,
+    add_filters,
+    item_ids,
+    items_sort_key,
+    keep_newest,
+    label,
+    load,
+    select_filtered,
+)
 from evals.report.settings import setting_columns
 from evals.report.significance import Comparisons, compare
 from evals.report.stats import BootstrapConfig, Difference, ItemScores, run_accuracy_scores
@@ -523,20 +532,16 @@ def runs_and_bootstrap(args: argparse.Namespace) -> tuple[pd.DataFrame, Bootstra
 
 
 def load_recall(args: argparse.Namespace) -> pd.DataFrame:
-    """The recall file's rows as runs (`recall_frame`), filtered as runs are; UserError when none is
-    left."""
-    runs = recall_frame(args.recall, args.metric)
-    runs = select(runs, args.model, args.dataset, args.generation, args.method, args.budget, args.limit)
-    if runs.empty:
-        raise UserError(f"no rows of {', '.join(map(str, args.recall))} match the filters")
-    return runs
+    """The recall file's rows as runs (`recall_frame`), filtered as runs are (`select_filtered`)."""
+    return select_filtered(recall_frame(args.recall, args.metric), args, ", ".join(map(str, args.recall)))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m evals.table", description=__doc__.splitlines()[0])
     add_filters(parser)
-    parser.add_argument("--out", type=Path, help="output path without suffix (default results/table1, "
-                                                  "or results/table1_<metric> for another metric)")
+    # Not results/table1: that is `make table1`'s Table 1, which a quick look at some runs must not replace.
+    parser.add_argument("--out", type=Path, help="output path without suffix (default results/table, as make "
+                                                  "table, or results/table_<metric> for another metric)")
     parser.add_argument("--metric", default="accuracy",
                         help="a metrics.json key, nested keys joined with dots "
                              "(tokens_per_second, step_latency_ms.p50, pass_at_k.4)")
@@ -560,7 +565,7 @@ def main(argv: list[str] | None = None) -> int:
                             paired_against=args.paired_against)
     except UserError as error:
         return report(error)
-    out = args.out or Path("results") / ("table1" if args.metric == "accuracy" else f"table1_{args.metric}")
+    out = args.out or Path("results") / ("table" if args.metric == "accuracy" else f"table_{args.metric}")
     paths = write_table(table, out, args.caption, args.label, args.wide)
     print(render_markdown(table))
     print("wrote " + ", ".join(str(p) for p in paths))
