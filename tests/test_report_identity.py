@@ -39,14 +39,21 @@ def test_a_difference_says_where_the_outputs_part_and_exits_1(tmp_path, capsys):
 
 
 def test_runs_of_another_identity_are_listed_not_compared(tmp_path, capsys):
-    """A run name carries its identity's hash: a run made with another parameter has no counterpart."""
+    """A run name carries its identity's hash: a run made with another parameter has no counterpart.
+    With no run in both folders nothing was compared, which is no proof of identity: exit 1."""
     write_run(tmp_path / "a", "compresskv__b96__aaaa", {"1": "one"})
     write_run(tmp_path / "b", "compresskv__b96__bbbb", {"1": "two"})
-    assert main(["--runs", str(tmp_path / "a"), "--against", str(tmp_path / "b")]) == 0
+    out = tmp_path / "pairs.csv"
+    assert main(["--runs", str(tmp_path / "a"), "--against", str(tmp_path / "b"), "--out", str(out)]) == 1
     printed = capsys.readouterr().out
     assert f"compresskv__b96__aaaa: only in {tmp_path / 'a'}" in printed
     assert f"compresskv__b96__bbbb: only in {tmp_path / 'b'}" in printed
-    assert "0 of 0 outputs identical, over 0 runs" in printed
+    assert printed.strip().endswith(
+        "no run is in both folders (1 only in the first, 1 only in the second): nothing was compared")
+    assert out.read_text() == "run,compared,identical,missing\n"
+    write_run(tmp_path / "a", "h2o__b96__x", {"1": "same"})
+    write_run(tmp_path / "b", "h2o__b96__x", {"1": "same"})
+    assert main(["--runs", str(tmp_path / "a"), "--against", str(tmp_path / "b")]) == 0
 
 
 def test_an_item_missing_from_one_run_fails_and_a_bad_folder_is_one_line(tmp_path, capsys):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -386,3 +387,14 @@ def test_the_default_output_is_not_table_1(runs, tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["table.csv", "table.md", "table.tex"]
     assert main(["--runs", str(runs), "--metric", "peak_kv_slots"]) == 0
     assert (tmp_path / "results" / "table_peak_kv_slots.md").exists()
+
+
+def test_a_reader_that_stops_early_gets_the_files_and_no_traceback(runs, tmp_path):
+    """`evals.report.table ... | head`: the reader closes the pipe before the table is printed."""
+    out = tmp_path / "t" / "table"
+    table = subprocess.Popen([sys.executable, "-m", "evals.report.table", "--runs", str(runs), "--out", str(out)],
+                             cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    table.stdout.close()  # before the process has started to write
+    assert table.wait(timeout=120) == 0
+    assert "Traceback" not in table.stderr.read().decode()
+    assert all(out.with_suffix(suffix).exists() for suffix in (".md", ".tex", ".csv"))

@@ -58,6 +58,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from evals.metrics import FIDELITY_THRESHOLD, FIDELITY_WINDOW, trailing_mean
+from evals.report.console import show
 from evals.report.names import DEFAULT_VARIANT, model_size
 from evals.report.palette import Style, styles
 from evals.report.runs import REFERENCE, add_filters, item_ids, items_sort_key, keep_newest, label, load
@@ -688,8 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         paths = plot_table_heatmap(args) if args.only == "heatmap" else plot_runs(load(args), args)
     except UserError as error:
         return report(error)
-    for path in paths:
-        print(path)
+    show("\n".join(map(str, paths)))
     return 0
 
 

@@ -11,9 +11,10 @@ method parameter, a calibration file's path) has no counterpart and is listed as
 Within a pair, records are matched by (item id, sample) and their output texts compared; a
 difference is reported with the character where the two outputs part.
 
-Prints one line per pair with a difference, the runs without a counterpart, and the total; writes
-every pair's counts to `--out` (CSV). Exits 1 when an output differs or an item of one run is missing
-from its counterpart, 2 on a bad folder, 0 otherwise.
+Writes every pair's counts to `--out` (CSV), then prints one line per pair with a difference, the
+runs without a counterpart, and the total. Exits 1 when an output differs, an item of one run is
+missing from its counterpart, or no run is in both folders (nothing was compared: two sweeps of other
+configs, or the wrong folder), 2 on a bad folder, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from evals.report.console import show
 from evals.store import GENERATIONS, IDENTITY, peek_records
 from longflow.errors import UserError, report
 
@@ -106,8 +108,11 @@ def summary(pairs: list[Pair], only_first: list[str], only_second: list[str], fi
         lines.append(f"{name}: only in {second}")
     identical = sum(pair.identical for pair in pairs)
     compared = sum(pair.compared for pair in pairs)
-    lines.append(f"{identical} of {compared} outputs identical, over {len(pairs)} runs in both folders "
-                 f"({len(only_first)} only in the first, {len(only_second)} only in the second)")
+    others = f"{len(only_first)} only in the first, {len(only_second)} only in the second"
+    if not pairs:
+        lines.append(f"no run is in both folders ({others}): nothing was compared")
+    else:
+        lines.append(f"{identical} of {compared} outputs identical, over {len(pairs)} runs in both folders ({others})")
     return "\n".join(lines)
 
 
@@ -121,12 +126,13 @@ def main(argv: list[str] | None = None) -> int:
         pairs, only_first, only_second = compare(args.runs, args.against)
     except UserError as error:
         return report(error)
-    print(summary(pairs, only_first, only_second, args.runs, args.against))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        pd.DataFrame([{"run": p.name, "compared": p.compared, "identical": p.identical, "missing": p.missing}
-                      for p in pairs]).to_csv(args.out, index=False)
-    return int(any(pair.differences or pair.missing for pair in pairs))
+        counts = [{"run": pair.name, "compared": pair.compared, "identical": pair.identical, "missing": pair.missing}
+                  for pair in pairs]
+        pd.DataFrame(counts, columns=["run", "compared", "identical", "missing"]).to_csv(args.out, index=False)
+    show(summary(pairs, only_first, only_second, args.runs, args.against))
+    return int(not pairs or any(pair.differences or pair.missing for pair in pairs))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from evals.report.console import show
 from evals.report.names import dataset_name
 from evals.report.runs import REFERENCE, add_filters, item_ids, keep_newest, label, load
 from evals.report.significance import scaled
@@ -148,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".md").write_text(text)
     table_of(found).to_csv(args.out.with_suffix(".csv"), index=False)
-    print(text)
-    print(f"wrote {args.out.with_suffix('.md')}, {args.out.with_suffix('.csv')}")
+    show(text)
+    show(f"wrote {args.out.with_suffix('.md')}, {args.out.with_suffix('.csv')}")
     return 0
 
 

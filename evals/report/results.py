@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from evals.report.console import show
 from evals.report.runs import add_filters, load
 from evals.report.settings import PREFIX, setting_columns
 from longflow.errors import UserError, report
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         return report(error)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     long.to_csv(args.out, index=False)
-    print(f"wrote {args.out}: {len(long)} rows, {long['run_id'].nunique()} runs, {long['metric'].nunique()} metrics")
+    show(f"wrote {args.out}: {len(long)} rows, {long['run_id'].nunique()} runs, {long['metric'].nunique()} metrics")
     return 0
 
 

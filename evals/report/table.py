@@ -55,6 +55,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from evals.report.console import show
 from evals.report.names import DEFAULT_VARIANT, METHOD_NAMES
 from evals.report.recall_runs import RECALL_METRICS, recall_frame
 from evals.report.runs import (
@@ -567,8 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         return report(error)
     out = args.out or Path("results") / ("table" if args.metric == "accuracy" else f"table_{args.metric}")
     paths = write_table(table, out, args.caption, args.label, args.wide)
-    print(render_markdown(table))
-    print("wrote " + ", ".join(str(p) for p in paths))
+    show(render_markdown(table))
+    show("wrote " + ", ".join(str(p) for p in paths))
     return 0
 
 
