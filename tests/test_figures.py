@@ -220,3 +220,27 @@ def test_average_panel_needs_two_datasets(tmp_path, monkeypatch):
     plot_budget_grid(prepare(collect(root).query("model == 'tiny_qwen3' and dataset == 'gsm8k'")), tmp_path)
     [figure] = figures
     assert [ax.get_title() for ax in figure.axes] == ["GSM8K (1319)"]
+
+
+def test_lengths_and_throughput_are_titled_with_the_items_run_and_share_their_y_axes(tmp_path, monkeypatch):
+    """README: every figure is titled with the items run, and panels that are compared share a y axis
+    (the output lengths of two budgets, the throughput of two models)."""
+    root = tmp_path / "runs"
+    for method, budget, length in (("vanilla", None, 900), ("h2o", 96, 100), ("h2o", 192, 400)):
+        run = canary_run(root, method, budget, 0.5, 16)
+        (run / "generations.jsonl").write_text("".join(
+            json.dumps({"id": str(i), "sample": 0, "output_tokens": length + i}) + "\n" for i in range(16)))
+    other = canary_run(root, "h2o", 96, 0.5, 16, mtime=1)
+    metrics = json.loads((other / "metrics.json").read_text())
+    (other / "metrics.json").write_text(json.dumps({**metrics, "model": "tiny_llama", "tokens_per_second": 9e3}))
+    figures = drawn(monkeypatch)
+    runs = collect(root)
+    plot_budget_sweep(runs, tmp_path)
+    plot_output_lengths(prepare(runs), tmp_path)
+    throughput, lengths = figures[-2], figures[-1]
+    assert throughput._suptitle.get_text() == "canary (16 of 200)"
+    speed = [ax for ax in throughput.axes if ax.get_ylabel() == "tokens/s"]
+    assert len(speed) == 2 and speed[0].get_shared_y_axes().joined(*speed)
+    assert lengths._suptitle.get_text() == "canary: output lengths, every output of canary (16 of 200)"
+    first, second = lengths.axes
+    assert first.get_shared_y_axes().joined(first, second) and first.get_ylim() == second.get_ylim()

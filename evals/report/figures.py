@@ -12,11 +12,12 @@ and item set, one line per method, FullKV as a dashed horizontal line), `accurac
 same curves, one panel per method, each against the FullKV line), the paper's figure
 `budget_grid_<model>.png|pdf` (a panel per item set, and one for their average when they are two
 datasets or more, sized for a paper's text width) and `throughput_vs_budget.png` (tokens/s and
-decode-step latency p50 per budget, means over the datasets); with one budget, `methods.png`, bars
-of accuracy and tokens/s per method. `lengths` (drawn by default): `output_lengths_<model>.png|pdf`,
-the distribution of output lengths of each method, a panel per budget. `sizes` (only when asked,
-`make fig4`): `model_sizes.png|pdf`, accuracy of each method across the models, smallest first, a
-panel per item set and (two datasets or more) the average.
+decode-step latency p50 per budget, means over the item sets its title names); with one budget,
+`methods.png`, bars of accuracy and tokens/s per method. `lengths` (drawn by default):
+`output_lengths_<model>.png|pdf`, the distribution of output lengths of each method, a panel per
+budget on one y axis, titled with the item sets. `sizes` (only when asked, `make fig4`):
+`model_sizes.png|pdf`, accuracy of each method across the models, smallest first, a panel per item
+set and (two datasets or more) the average.
 
 A panel is one dataset over one item set, titled with the items run ("canary (16 of 200)"): runs of
 other limits are other panels. Every accuracy carries an error bar of one standard error (the run's
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -133,7 +135,7 @@ def colors(runs: pd.DataFrame) -> dict[str, str]:
     return {series: style.color for series, style in series_styles(runs).items()}
 
 
-def new_figure(rows: int, columns: int, sharey: bool = False) -> tuple[Figure, list[list]]:
+def new_figure(rows: int, columns: int, sharey: bool | str = False) -> tuple[Figure, list[list]]:
     figure = Figure(figsize=(PANEL[0] * columns + 1.8, PANEL[1] * rows), layout="constrained")
     FigureCanvasAgg(figure)
     return figure, figure.subplots(rows, columns, squeeze=False, sharey=sharey)
@@ -283,15 +285,23 @@ def plot_accuracy_by_method(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     return save(figure, out_dir / "accuracy_by_method.png")
 
 
+def items_title(runs: pd.DataFrame) -> str:
+    """The item sets of `runs` in panel order, for a title: "canary (4 of 200)", or "means over
+    AIME24 (30), GSM8K (1319)" when a figure pools several."""
+    panels = panel_order(runs)
+    return panels[0] if len(panels) == 1 else f"means over {', '.join(panels)}"
+
+
 def plot_throughput(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """Tokens/s and decode-step latency p50 vs KV budget, per model, means over the datasets."""
+    """Tokens/s and decode-step latency p50 vs KV budget, per model, means over the item sets (named in
+    the title); the models' panels of one quantity share its y axis."""
     models = runs["model_label"].unique()
     palette = series_styles(runs)
     means = (runs.groupby(["model_label", "series", "budget_label"], sort=False)
              .agg(method=("method", "first"), budget=("budget", "first"), complete=("complete", "all"),
                   tokens_per_second=("tokens_per_second", "mean"), latency=(LATENCY, "mean"))
              .reset_index())
-    figure, axes = new_figure(len(models), 2)
+    figure, axes = new_figure(len(models), 2, sharey="col")
     for i, model in enumerate(models):
         data = means[means["model_label"] == model]
         for ax, column, title, ylabel in ((axes[i][0], "tokens_per_second", "throughput", "tokens/s"),
@@ -299,17 +309,17 @@ def plot_throughput(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
             draw_lines(ax, data, column, palette)
             ax.set_ylabel(ylabel)
             ax.set_title(f"{model}: {title}", fontsize=10)
-    figure.suptitle("means over datasets", fontsize=10)
+    figure.suptitle(items_title(runs), fontsize=10)
     add_legend(figure, runs)
     return save(figure, out_dir / "throughput_vs_budget.png")
 
 
 def plot_methods(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
     """One budget: accuracy bars per item set and method (error bars: one standard error), and tokens/s
-    per method (mean over datasets); the accuracy panels of the models share their y axis."""
+    per method (mean over the item sets); the models' panels of one quantity share its y axis."""
     models, panels = runs["model_label"].unique(), panel_order(runs)
     palette = colors(runs)
-    figure, axes = new_figure(len(models), 2)
+    figure, axes = new_figure(len(models), 2, sharey="col")
     budgets = sorted(runs.loc[runs["method"] != REFERENCE, "budget"].dropna().astype(int).unique())
     budget = f"budget {budgets[0]}" if budgets else "full cache"
     for i, model in enumerate(models):
@@ -336,7 +346,7 @@ def plot_methods(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
         ax.bar(range(len(series)), speed.to_numpy(), color=[palette[s] for s in series])
         ax.set_xticks(range(len(series)), series, rotation=30, ha="right")
         ax.set_ylabel("tokens/s")
-        ax.set_title(f"{model}: throughput, mean over datasets", fontsize=10)
+        ax.set_title(f"{model}: throughput, {items_title(data)}", fontsize=10)
         for ax in axes[i]:
             ax.grid(axis="y", alpha=0.3)
     add_legend(figure, runs, bars=True)
@@ -357,6 +367,7 @@ def plot_budget_sweep(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
 # --- figures for a paper: text width, small type, PNG and PDF -------------------------------------
 
 PAPER_WIDTH = 7.0  # inches: the text width of a two-column paper
+TITLE_CHARACTERS = 100  # a line of a 9 pt title across PAPER_WIDTH; a longer one (many item sets) wraps
 PAPER_STYLE = {"font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "xtick.labelsize": 7,
                "ytick.labelsize": 7, "legend.fontsize": 7, "lines.markersize": 4, "lines.linewidth": 1.2}
 AVERAGE = "Average"
@@ -449,11 +460,14 @@ def output_lengths(run: Path, items: Sequence[str] | None = None) -> list[int]:
 
 
 def plot_output_lengths(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
-    """Output lengths per method, a figure per model: a panel per KV budget (FullKV in each, as the
-    reference), a violin per method over every output of the selected datasets, its median marked.
-    No figure for a model none of whose runs has generations.jsonl."""
+    """Output lengths per method, a figure per model titled with the item sets: a panel per KV budget
+    (FullKV in each, as the reference), a violin per method over every output of those items, its
+    median marked, one y axis. A run reported over several item sets (a folder's run of two limits)
+    counts its outputs once, over the largest. No figure for a model none of whose runs has
+    generations.jsonl."""
     paths = []
     palette = colors(runs)
+    runs = runs.sort_values("n_planned", na_position="first").drop_duplicates("path", keep="last")
     runs = runs.assign(lengths=[output_lengths(Path(path), items)
                                 for path, items in zip(runs["path"], item_ids(runs), strict=True)])
     for model, data in runs.groupby("model_label", sort=True):
@@ -464,7 +478,7 @@ def plot_output_lengths(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
         with matplotlib.rc_context(PAPER_STYLE):
             crowded = data["series"].nunique() > VIOLINS_PER_HALF_WIDTH  # a panel of the full width each
             figure, axes = paper_figure(len(budgets), "", "output length (tokens)", columns=1 if crowded else 2,
-                                        panel_height=2.2)
+                                        panel_height=2.2, sharey=True)
             for ax, budget in zip(axes, budgets, strict=True):
                 cell = pd.concat([reference, data[(data["budget_label"] == budget) & (data["method"] != REFERENCE)]])
                 series = [s for s in cell["series"].drop_duplicates()
@@ -483,9 +497,8 @@ def plot_output_lengths(runs: pd.DataFrame, out_dir: Path) -> list[Path]:
                               rotation_mode="anchor")
                 ax.set_title("full cache only" if budget == "-" else f"KV budget {budget}")
                 ax.grid(axis="y", alpha=0.3)
-            datasets = data["dataset_label"].unique()
-            figure.suptitle(f"{model}: output lengths, every output of {len(datasets)} "
-                            f"dataset{'s' if len(datasets) > 1 else ''}", fontsize=9)
+            title = f"{model}: output lengths, every output of {', '.join(panel_order(data))}"
+            figure.suptitle(textwrap.fill(title, TITLE_CHARACTERS), fontsize=9)
         paths += save_paper(figure, out_dir / f"output_lengths_{file_name(model)}")
     return paths
 
