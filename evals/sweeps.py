@@ -129,9 +129,10 @@ class SweepRecord(Callback):
             print(f"note: {path} recorded another command ({replaced[0]}); it now records this one", flush=True)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        record = _update(Path(config.hydra.sweep.dir) / SWEEP, lambda value: value)
-        if not record:
+        path = Path(config.hydra.sweep.dir) / SWEEP
+        if not path.exists():  # a single run (no -m): no sweep to record, nor a sweep.json to leave behind
             return
+        record = _update(path, lambda value: value)
         number, jobs = HydraConfig.get().job.num, record["jobs"]
         ended = sum(entry["ended"] >= record["started"] for entry in record.get("job_runs", {}).values())
         left = ""
@@ -141,7 +142,8 @@ class SweepRecord(Callback):
         print(f"job {number + 1} of {jobs}{left}", flush=True)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if job_return.status != JobStatus.COMPLETED:  # a refused or failed job covered nothing
+        path = Path(config.hydra.sweep.dir) / SWEEP
+        if job_return.status != JobStatus.COMPLETED or not path.exists():  # a failed job, a single run
             return
         runs = job_return.return_value or []
 
@@ -151,7 +153,7 @@ class SweepRecord(Callback):
             return {**record, "runs": list(dict.fromkeys([*record.get("runs", []), *runs])), "job_runs": job_runs,
                     "item_sets": item_sets, "finished": len(job_runs)}
 
-        _update(Path(config.hydra.sweep.dir) / SWEEP, add)
+        _update(path, add)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         folder = Path(config.hydra.sweep.dir)

@@ -161,3 +161,15 @@ def test_a_sweep_with_unfinished_jobs_says_so(tmp_path, capsys):
     sweep = write_sweep(tmp_path / "sweep", [[(run, TWO)] for run in runs], total=8)
     assert len(collect_sweeps([sweep])) == 3
     assert f"warning: sweep {sweep}: 3 of 8 jobs finished" in capsys.readouterr().err
+
+
+def test_a_single_run_leaves_no_sweep_record_and_stray_ones_are_ignored(tmp_path, capsys):
+    root = tmp_path / "runs"
+    run = write_recorded_run(root, "h2o", 96, dict.fromkeys(TWO, True))
+    callback, sweep = SweepRecord(), root / ".hydra" / "single"
+    callback.on_job_start(job_config(sweep, 0))
+    callback.on_job_end(job_config(sweep, 0), JobReturn(status=JobStatus.COMPLETED, _return_value=[str(run)]))
+    assert not sweep.exists()
+    (root / ".hydra" / "old").mkdir(parents=True)
+    (root / ".hydra" / "old" / "sweep.json").write_text("{}")  # what single runs used to leave
+    assert len(collect(root)) == 1 and "warning" not in capsys.readouterr().err

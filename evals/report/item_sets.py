@@ -83,14 +83,15 @@ def folder_item_sets(runs_dir: Path, runs: list[Path]) -> dict[Path, list[ItemSe
     """The item sets of each of `runs` (directories under `runs_dir`): its last config's, then every
     one that a sweep.json anywhere under `runs_dir` (Hydra's hidden sweep folders included) recorded
     for it."""
-    found: dict[Path, list[ItemSet]] = {run.resolve(): [None] for run in runs}
+    found: dict[Path, list[ItemSet]] = {run: [None] for run in runs}
+    by_path = {run.resolve(): run for run in runs}
     for path in sorted(runs_dir.rglob(SWEEP)):
         try:
-            recorded = recorded_item_sets(path.parent, read_sweep(path.parent))
-        except UserError as error:
-            warn(f"skipping {path}: {error}")
-            continue
-        for run, item_sets in recorded.items():
-            if run in found:
-                found[run] += item_sets
+            sweep = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue  # a sweep's record only adds item sets; without it, every item a run holds still shows
+        if isinstance(sweep, dict):
+            for run, item_sets in recorded_item_sets(path.parent, sweep).items():
+                if run in by_path:
+                    found[by_path[run]] += item_sets
     return found
