@@ -326,7 +326,7 @@ def add_filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", nargs="+", help="only these methods (config names; FullKV is always kept)")
     parser.add_argument("--budget", type=int, nargs="+", help="only these KV budgets (FullKV is always kept)")
     parser.add_argument("--dataset", nargs="+", help="only these datasets (run keys or display names)")
-    parser.add_argument("--limit", type=int, nargs="+", help="only runs of this many items (their config's)")
+    parser.add_argument("--limit", type=int, nargs="+", help="only runs over item sets of this many items")
     parser.add_argument("--generation", help="only this generation config (greedy, sampling, ...)")
 
 
