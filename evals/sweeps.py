@@ -34,6 +34,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from evals.configs import compose_config
@@ -129,10 +130,9 @@ class SweepRecord(Callback):
             print(f"note: {path} recorded another command ({replaced[0]}); it now records this one", flush=True)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        path = Path(config.hydra.sweep.dir) / SWEEP
-        if not path.exists():  # a single run (no -m): no sweep to record, nor a sweep.json to leave behind
+        if config.hydra.mode != RunMode.MULTIRUN:  # a single run has no sweep to record, nor a folder to write
             return
-        record = _update(path, lambda value: value)
+        record = _update(Path(config.hydra.sweep.dir) / SWEEP, lambda value: value)
         number, jobs = HydraConfig.get().job.num, record["jobs"]
         ended = sum(entry["ended"] >= record["started"] for entry in record.get("job_runs", {}).values())
         left = ""
@@ -142,8 +142,7 @@ class SweepRecord(Callback):
         print(f"job {number + 1} of {jobs}{left}", flush=True)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        path = Path(config.hydra.sweep.dir) / SWEEP
-        if job_return.status != JobStatus.COMPLETED or not path.exists():  # a failed job, a single run
+        if config.hydra.mode != RunMode.MULTIRUN or job_return.status != JobStatus.COMPLETED:
             return
         runs = job_return.return_value or []
 
@@ -153,7 +152,7 @@ class SweepRecord(Callback):
             return {**record, "runs": list(dict.fromkeys([*record.get("runs", []), *runs])), "job_runs": job_runs,
                     "item_sets": item_sets, "finished": len(job_runs)}
 
-        _update(path, add)
+        _update(Path(config.hydra.sweep.dir) / SWEEP, add)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         folder = Path(config.hydra.sweep.dir)

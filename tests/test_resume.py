@@ -117,3 +117,5 @@ def test_a_sweep_lists_its_runs_and_prints_the_report_commands(tmp_path):
     assert sorted(record["runs"]) == sorted(str(path) for path in run_dirs(tmp_path / "runs"))
     assert "job 1 of 2" in result.stdout and "job 2 of 2" in result.stdout
     assert f"python -m evals.report.table --sweep {sweep}" in result.stdout
+    # The sweep's folder is its record, with no empty folder per job beside it.
+    assert not [path for path in sweep.iterdir() if path.is_dir()]

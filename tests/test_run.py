@@ -229,6 +229,20 @@ def test_regrade_rejects_a_non_run_directory(tmp_path):
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "Traceback" not in result.stderr
 
 
+def test_a_run_leaves_nothing_of_hydras_beside_its_run_directory(tmp_path):
+    """Started from any folder, a single run writes its run directory and nothing else there: no
+    `.hydra/<timestamp>/` folder per run."""
+    where = tmp_path / "cwd"
+    where.mkdir()
+    result = subprocess.run([sys.executable, "-m", "evals.run", *BASE, "dataset.names=[demo_math]", "limit=1",
+                             "generation.max_new_tokens=4", f"results_dir={tmp_path / 'runs'}"], cwd=where,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr
+    assert list(where.iterdir()) == []
+    assert [path.name for path in (tmp_path / "runs").iterdir()] == [run.name for run in run_dirs(tmp_path / "runs")]
+
+
 def test_over_long_prompts_are_recorded_and_the_run_goes_on(tmp_path):
     result = run_cli(*BASE, "model.architecture.max_position_embeddings=256", f"results_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
