@@ -63,6 +63,8 @@ def summarize(identity: dict[str, Any], generations: list[dict], batches: list[d
     metrics.update(
         n_items=len(by_item),
         n_samples=n_samples,
+        # Every item of the dataset, not of the run's `limit`: whether the run stands for the benchmark
+        # (readers that ask whether a limited run is done compare n_items with its items.json).
         complete=len(complete_items) >= identity["dataset_size"],
         accuracy=float(np.mean(correct)) if correct else None,
         accuracy_stderr=accuracy_stderr(generations, n_samples),

@@ -35,3 +35,15 @@ def test_summarize_records_it():
                    for row in rows({0: [True, False, False, False]})]
     metrics = summarize(identity, generations, [])
     assert metrics["accuracy"] == 0.25 and metrics["accuracy_stderr"] == pytest.approx(math.sqrt(0.1875 / 4))
+
+
+def test_complete_means_every_item_of_the_dataset_not_of_the_limit():
+    """`complete` answers "does this run cover the whole dataset?": a run of `limit=2` that finished its two
+    items is not complete (tables show it as finished over its own items, `n_items` of `dataset_size`)."""
+    identity = {"run_id": "r", "model": "m", "hub_id": "h", "method": "h2o", "variant": "paper", "budget": 8,
+                "generation": "greedy", "dataset": "d", "dataset_size": 4, "generation_params": {"n_samples": 1}}
+    generations = [{**row, "output_tokens": 3, "finish_reason": "eos", "reason": "x", "peak_slots": 2}
+                   for row in rows({0: [True, False, True, False]})]
+    limited = summarize(identity, generations[:2], [])
+    assert limited["n_items"] == 2 and limited["dataset_size"] == 4 and limited["complete"] is False
+    assert summarize(identity, generations, [])["complete"] is True
