@@ -39,7 +39,7 @@ from longflow.config import EngineConfig, GenerationConfig, VerifyConfig, from_m
 from longflow.engine import Engine
 from longflow.errors import UserError, out_of_memory
 from longflow.fidelity import teacher_force
-from longflow.methods import TARGET, build_policy
+from longflow.methods import TARGET, build_policy, without_execution_fields
 from longflow.models import (
     ModelSpec,
     check_device,
@@ -98,7 +98,7 @@ class Setup:
     """A resolved run config, checked before anything heavy is loaded."""
 
     method: str
-    method_params: dict  # the method config's fields (its class, `_target_`, and `name` aside)
+    method_params: dict  # the method config's fields (its class, `_target_`, `name` and execution fields aside)
     policy: Any  # longflow.policy.KVPolicy, built and checked once; each batch gets a copy
     budget: int | None
     generation_name: str
@@ -129,8 +129,10 @@ class Setup:
         if not getattr(type(policy), "has_variants", True):
             # Both variant names make the same run, so that the paper and lf_repo sweeps of Table 1 share it.
             method_config["variant"] = "paper"
-        # The class path is code, not a setting: like the rest of the code it is not in a run's identity.
-        method_params = {key: value for key, value in method_config.items() if key not in ("name", TARGET)}
+        # The class path is code, not a setting: like the rest of the code it is not in a run's identity;
+        # nor are the fields that pick an implementation of the same method (the decode kernel).
+        method_params = {key: value for key, value in without_execution_fields(method_config).items()
+                         if key not in ("name", TARGET)}
         generation_params = dict(cfg["generation"])
         generation_name, protocol = generation_params.pop("name"), generation_params.pop("protocol")
         limit = cfg.get("limit")

@@ -34,7 +34,7 @@ from typing import Any
 from evals.configs import method_config
 from evals.store import GENERATIONS, IDENTITY, peek_records, read_json_file, run_name
 from longflow.errors import UserError
-from longflow.methods import TARGET
+from longflow.methods import TARGET, without_execution_fields
 from longflow.policy import ALIGN, CacheSpec, round_up
 
 logger = logging.getLogger(__name__)
@@ -68,8 +68,8 @@ def with_mode(identity: dict[str, Any], mode: str) -> dict[str, Any]:
 
 def full_cache_params() -> dict[str, Any]:
     """The full cache's method fields as its run records them (`evals.pipeline.Setup`): its config
-    of `conf/method/`, class and name aside, with its one variant."""
-    config = method_config(FULL_CACHE)
+    of `conf/method/`, class, name and execution fields aside, with its one variant."""
+    config = without_execution_fields(method_config(FULL_CACHE))
     return {**{key: value for key, value in config.items() if key not in ("name", TARGET)}, "variant": "paper"}
 
 

@@ -60,6 +60,14 @@ def method_fields(config: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def without_execution_fields(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A method config without the fields its class declares execution-only (`KVPolicy.execution_fields`),
+    in every field that is a method config itself (AMS's scorer): what decides the method's outputs."""
+    execution = getattr(locate(method_fields(config)[TARGET]), "execution_fields", frozenset())
+    return {key: without_execution_fields(value) if isinstance(value, Mapping) and TARGET in value else value
+            for key, value in config.items() if key not in execution}
+
+
 def method_factory(config: Mapping[str, Any]) -> functools.partial:
     """The class `config` names (or its variant's) with its fields bound: call it with the run's budget."""
     return _instantiate(method_fields(config))

@@ -388,6 +388,11 @@ class KVPolicy:
     # of them computes its `own_variant`.
     variant_classes: ClassVar[dict[str, str]] = {}
     own_variant: ClassVar[str | None] = None
+    # Fields that choose how the method is computed, not what it computes (the decode kernel,
+    # `DECODE_KERNELS`): `longflow.methods.without_execution_fields` leaves them out of what names a
+    # method's results, so a run started through the kernel resumes through the eager path. A subclass
+    # with a switch of that kind adds its name.
+    execution_fields: ClassVar[frozenset[str]] = frozenset({"use_kernel"})
 
     # The per-batch state, through the policy (see `BatchState`).
     slots = OfBatch()

@@ -85,6 +85,29 @@ def test_identity_ignores_batch_size_but_not_budget(reference, tmp_path):
     assert len(run_dirs(tmp_path)) == 4
 
 
+def identity_of(*overrides: str) -> dict:
+    """The identity `evals.run` gives the demo_math run of `overrides` (the tiny model: no checkpoint to hash)."""
+    from types import SimpleNamespace
+
+    from evals.pipeline import Job, Setup
+
+    job = Job(name="demo_math", kind="math", items=[], size=1, fingerprint="f")
+    return Setup.from_config(compose_config(*BASE, *overrides)).identity(job, SimpleNamespace(chat_template=None))
+
+
+@pytest.mark.parametrize("method, execution, output", [
+    ("h2o", "+method.use_kernel=eager", "method.heavy_ratio=0.25"),
+    ("longflow", "method.use_kernel=reference", "method.n_sink=2"),
+    ("ams_tova", "+method.scorer.use_kernel=eager", "method.n_sink=2"),  # a scorer's kernel, one level down
+])
+def test_the_decode_kernel_is_no_part_of_a_runs_identity(method, execution, output):
+    """A switch that picks another implementation of the same method (`KVPolicy.execution_fields`) resumes the
+    same run; a field that changes what the method computes starts another."""
+    plain = identity_of(f"method={method}")
+    assert identity_of(f"method={method}", execution) == plain
+    assert identity_of(f"method={method}", output) != plain
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
