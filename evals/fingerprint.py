@@ -1,8 +1,8 @@
-"""What code made a run: a hash of the source of the method's classes and of the library on the
-decode path and of the files its method reads (a calibration, learned weights), and the git state
-(commit, whether the tree was dirty, a hash of the uncommitted diff); and the content hash of a
-local model checkpoint (`checkpoint_fingerprint`), part of a run's identity and of the record of
-the model a method's file was made for.
+"""What code made a run: a hash of the source of the method's classes, of the library on the decode
+path, of the prompts each item is asked with, and of the files its method reads (a calibration,
+learned weights), and the git state (commit, whether the tree was dirty, a hash of the uncommitted
+diff); and the content hash of a local model checkpoint (`checkpoint_fingerprint`), part of a run's
+identity and of the record of the model a method's file was made for.
 
 A run's identity covers its config, not its code (a fix must not orphan every run), so a run
 resumed after its method or the library changed would mix outputs of two programs and print the
@@ -28,11 +28,14 @@ from longflow.errors import UserError
 REPO = Path(__file__).resolve().parents[1]
 # The library: every module of it can change a decoded token (engine, kernels, cache, models, sampling).
 LIBRARY = "longflow"
+# Outside the library, the code that writes each item's prompt decides the tokens as much: an edited
+# instruction changes every prompt, while the run's identity records only the prompt format.
+PROMPTS = "evals/prompts.py"
 
 
 def policy_sources(policy: Any) -> list[Path]:
     """The source files of the policy's classes (its class and bases, and those of policies held in
-    its fields, such as AMS's scorer) outside the library, which `library_sources` covers, and
+    its fields, such as AMS's scorer) outside the library, which `generation_sources` covers, and
     outside Python's and the installed packages' own."""
     installed = [Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "purelib", "platlib")]
     excluded = [(REPO / LIBRARY).resolve(), *installed]
@@ -69,8 +72,9 @@ def policy_file_fields(policy: Any) -> dict[str, Path]:
     return files
 
 
-def library_sources() -> list[Path]:
-    return sorted((REPO / LIBRARY).rglob("*.py"))
+def generation_sources() -> list[Path]:
+    """The sources that decide a run's tokens whatever its method: the library's, and the prompts'."""
+    return [*sorted((REPO / LIBRARY).rglob("*.py")), REPO / PROMPTS]
 
 
 def source_hashes(files: list[Path]) -> dict[str, str]:
@@ -112,7 +116,7 @@ def uncommitted_changes() -> str | None:
 def code_record(policy: Any) -> dict[str, Any]:
     """The code of a run start: `fingerprint` (one hash of `files`), `files` (each source's hash),
     `git_commit`, `dirty` (uncommitted changes; None outside git) and `diff` (hash of `git diff HEAD`)."""
-    files = source_hashes([*policy_sources(policy), *library_sources(), *policy_files(policy)])
+    files = source_hashes([*policy_sources(policy), *generation_sources(), *policy_files(policy)])
     status = uncommitted_changes()
     diff = git("diff", "HEAD") if status else None
     commit = git("rev-parse", "HEAD")

@@ -73,6 +73,22 @@ def test_editing_the_method_never_reports_the_old_numbers_silently(edited_method
     assert len(provenance(root)) == 1 and again["n_items"] == first["n_items"] == 2
 
 
+def test_an_edited_prompt_is_generation_code(tmp_path, monkeypatch):
+    """The prompts decide every token as the engine does: a run resumed after they changed is refused."""
+    from baselines.streaming import StreamingPolicy
+    from evals import fingerprint
+
+    policy = StreamingPolicy(16)
+    assert "evals/prompts.py" in fingerprint.code_record(policy)["files"]
+    prompts = tmp_path / "prompts.py"
+    prompts.write_text((fingerprint.REPO / fingerprint.PROMPTS).read_text())
+    monkeypatch.setattr(fingerprint, "PROMPTS", str(prompts))
+    before = fingerprint.code_record(policy)
+    prompts.write_text(prompts.read_text() + 'MATH_INSTRUCTION = "Answer in \\boxed{}."\n')
+    with pytest.raises(UserError, match="prompts.py changed since"):
+        fingerprint.check_code(tmp_path / "run", [{"code": before}], fingerprint.code_record(policy), False)
+
+
 def test_resuming_says_how_much_is_done(edited_method, tmp_path, capsys):
     root = tmp_path / "runs"
     evaluate(config(root, "limit=1"))
