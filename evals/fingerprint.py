@@ -10,6 +10,10 @@ old numbers as if they were the new code's. Each start of a run records its `cod
 provenance.json; a start whose source hash differs from the last one's is refused
 (`check_code`) unless the config says `overwrite=true` (start the run again) or
 `allow_code_change=true` (resume it knowingly).
+
+The grader is recorded apart (`grader_record`, in each run's grader.json): grading is deterministic
+and cheap, so a run resumed under another grader has its stored outputs graded again rather than
+being refused, and every grade of a run comes from the one grader its grader.json names.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import inspect
 import subprocess
 import sysconfig
 from functools import partial
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +36,10 @@ LIBRARY = "longflow"
 # Outside the library, the code that writes each item's prompt decides the tokens as much: an edited
 # instruction changes every prompt, while the run's identity records only the prompt format.
 PROMPTS = "evals/prompts.py"
+# The grader: every module of it takes part in a verdict (the rules, answer extraction, the per-item
+# time limit), and so do the packages its comparisons call.
+GRADER = "evals/grading"
+GRADER_PACKAGES = ("math-verify", "sympy")
 
 
 def policy_sources(policy: Any) -> list[Path]:
@@ -127,6 +136,32 @@ def code_record(policy: Any) -> dict[str, Any]:
         "dirty": bool(status) if status is not None else None,
         "diff": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None,
     }
+
+
+def grader_record() -> dict[str, Any]:
+    """The grader of this process: `fingerprint` (one hash of the rest), `files` (each source's hash)
+    and `packages` (each package's version, None when it is not installed)."""
+    files = source_hashes(sorted((REPO / GRADER).rglob("*.py")))
+    packages = {}
+    for name in GRADER_PACKAGES:
+        try:
+            packages[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            packages[name] = None
+    return {"fingerprint": hashlib.sha256(repr([sorted(files.items()), sorted(packages.items())]).encode())
+            .hexdigest()[:16], "files": files, "packages": packages}
+
+
+def grader_changes(before: dict[str, Any] | None, now: dict[str, Any]) -> str:
+    """What differs between the grader that made a run's grades (its grader.json; None for a run made
+    before grader records) and `now`, in words."""
+    if not isinstance(before, dict) or "files" not in before:
+        return "graded before runs recorded their grader"
+    changed = changed_files(before, now)
+    old = before.get("packages", {})
+    changed += [f"{name} {old.get(name)} -> {version}" for name, version in now["packages"].items()
+                if old.get(name) != version]
+    return ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "") + " changed since"
 
 
 def last_code(provenance: list[dict]) -> dict[str, Any] | None:

@@ -26,14 +26,22 @@ from tqdm import tqdm
 from baselines.vanilla import VanillaPolicy
 from evals.checks import check_fields
 from evals.datasets import fingerprint, load, registry_spec
-from evals.fingerprint import check_code, checkpoint_fingerprint, code_record, policy_file_fields
+from evals.fingerprint import (
+    check_code,
+    checkpoint_fingerprint,
+    code_record,
+    grader_changes,
+    grader_record,
+    policy_file_fields,
+)
 from evals.gpus import job_device
 from evals.grading import GradeRequest, grade_many
+from evals.grading.regrade import grade_again, regrade_files
 from evals.metrics import summarize
 from evals.prompts import build_messages, render_prompt, truncate_prompt
 from evals.reuse import reuse_option, split_work, with_mode
 from evals.shards import Shard
-from evals.store import CONFIG, ITEMS, PROVENANCE, RunDir, in_scope, provenance, stable_hash
+from evals.store import CONFIG, GENERATIONS, GRADER, ITEMS, PROVENANCE, RunDir, in_scope, provenance, stable_hash
 from longflow.calibration import made_for
 from longflow.config import EngineConfig, GenerationConfig, VerifyConfig, from_mapping
 from longflow.engine import Engine
@@ -243,8 +251,8 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
     engine = Engine(model, lambda: copy.deepcopy(setup.policy), eos_token_ids(model, tokenizer), pad_id,
                     setup.engine, setup.verify)
     seeds = {"generation": setup.generation.seed, "dataset": cfg["dataset"]["seed"], "init": setup.model.init_seed}
-    code = code_record(setup.policy)
-    return [run_dataset(job, setup, engine, tokenizer, Path(cfg["results_dir"]), config_yaml, seeds, code)
+    code, grader = code_record(setup.policy), grader_record()
+    return [run_dataset(job, setup, engine, tokenizer, Path(cfg["results_dir"]), config_yaml, seeds, code, grader)
             for job in jobs]
 
 
@@ -270,9 +278,10 @@ def check_budget_bounds(setup: Setup, job: Job, prompts: dict[str, list[int]]) -
 
 
 def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, config_yaml: str | None,
-                seeds: dict[str, int], code: dict[str, Any]) -> dict[str, Any]:
+                seeds: dict[str, int], code: dict[str, Any], grader: dict[str, Any]) -> dict[str, Any]:
     """Generates, grades and stores the missing samples of one dataset; returns its metrics. `code`
-    (`evals.fingerprint.code_record`) must match the run's last start unless the setup allows a change."""
+    (`evals.fingerprint.code_record`) must match the run's last start unless the setup allows a change;
+    stored grades from another grader than `grader` (`evals.fingerprint.grader_record`) are made again."""
     generation = setup.generation
     prompts = {}
     for item in job.items:
@@ -310,6 +319,7 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
         run.write_json(ITEMS, [item.id for item in job.items])
         if config_yaml is not None:
             run.write_text(CONFIG, config_yaml)
+        grade_with(run, grader, setup.grading)
         done = {(r["id"], r["sample"]) for r in run.generations()}
         work = [(item, sample) for item in mine for sample in range(generation.n_samples)
                 if (item.id, sample) not in done]
@@ -330,6 +340,8 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
         work, reused = split_work(work, setup.reuse_full_cache, setup.policy, identity, results_dir, engine,
                                   generation, tokenizer, prompts)
         if reused:
+            # Copies of the full cache's records, graded by whatever grader graded that run.
+            grade_again(reused, job.kind, setup.model.thinks, setup.grading["workers"], setup.grading["timeout"])
             store(reused)
             progress.update(len(reused))
         try:
@@ -351,6 +363,21 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
         print(f"{run.path}: teacher-forced agreement {fmt(summary['agreement'])}, KL {fmt(summary['kl'])} nats, "
               f"divergence step {summary['divergence_step']} over {summary['n_items']} items")
     return metrics
+
+
+def grade_with(run: RunDir, grader: dict[str, Any], grading: dict[str, Any]) -> None:
+    """Makes `grader` the one grader of the run's grades: stored outputs graded by another (its
+    sources or packages changed, or the run predates grader records) are graded again, as
+    `python -m evals.grading` does, so that a resumed run never mixes grades of two graders."""
+    before = run.read_json(GRADER)
+    if isinstance(before, dict) and before.get("fingerprint") == grader["fingerprint"]:
+        return
+    if not (run.path / GENERATIONS).exists():
+        run.write_json(GRADER, grader)
+        return
+    print(f"re-grading {run.path}: its stored grades are from another grader ({grader_changes(before, grader)})")
+    with run.writing():
+        regrade_files(run.path, grading["workers"], grading["timeout"], grader)
 
 
 def generate_batches(work, job: Job, setup: Setup, engine, tokenizer, prompts) -> Iterator[tuple[list[dict], dict]]:

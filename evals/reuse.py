@@ -16,12 +16,13 @@ of the full cache's output for that item. Modes:
   differ (tables mark these runs).
 
 The full cache's run is found through the run store's identity (`evals.store`): the same identity
-with the full cache as its method. A copied record is the full cache's, field for field, marked
-`reused_from_full_cache` with the source run's name; its `seconds` are None (a copy was not timed,
-and no batch record is written for it, so speed and latency metrics come from generated records
-only), and its `peak_slots` are the slots its sequence holds at its last step (exact) or None
-(lf_repo: the method never ran it). Sampling cannot be reused (its tokens are not a function of
-the cache alone): the option is refused.
+with the full cache as its method. A copied record is the full cache's, field for field (then
+graded again by the run's own grader, `evals.pipeline`), marked `reused_from_full_cache` with the
+source run's name; its `seconds` are None (a copy was not timed, and no batch record is written
+for it, so speed and latency metrics come from generated records only), and its `peak_slots` are
+the slots its sequence holds at its last step (exact) or None (lf_repo: the method never ran it).
+Sampling cannot be reused (its tokens are not a function of the cache alone): the option is
+refused.
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ content, the seeds) and by nothing else (not the batch size, not the output path
 hashed into the directory name, so changing any of those starts a new run, and starting the same
 config again resumes the old one. The code is not in the identity but in provenance.json, one entry
 per start (`evals.fingerprint`): a start by other code than the last is refused unless asked for.
+The grader is in grader.json, the one grader every stored grade is from: a start under another
+grader grades the stored outputs again (`evals.pipeline`, through `evals.grading.regrade`).
 
 Records are appended to `generations.jsonl` one whole line per item and sample, flushed and
 fsynced after every batch. A run killed at any moment leaves at worst a torn last line, which the
@@ -46,6 +48,7 @@ IDENTITY = "run.json"
 CONFIG = "config.yaml"
 PROVENANCE = "provenance.json"
 ITEMS = "items.json"  # the ids of the items the last config run here covers (`limit` picks a prefix)
+GRADER = "grader.json"  # the grader every stored grade is from (`evals.fingerprint.grader_record`)
 LOCK = ".lock"
 WRITE_LOCK = ".write.lock"  # held for one read or write of the run's files
 
@@ -180,7 +183,7 @@ class RunDir:
         try:
             if shard is not None:
                 self._locks.append(lock_shard(self.path, shard))
-            with self._writing():
+            with self.writing():
                 self._check_identity()
         except BaseException:
             self.close()
@@ -196,16 +199,17 @@ class RunDir:
             atomic_write(identity_path, json.dumps(self.identity, indent=2, sort_keys=True, default=str) + "\n")
 
     @contextmanager
-    def _writing(self) -> Iterator[None]:
-        """The write lock, around every read and write of the run's files (blocking: it is held briefly)."""
+    def writing(self) -> Iterator[None]:
+        """The write lock, around every read and write of the run's files (blocking: it is held briefly).
+        Not reentrant: inside it, the files are read and written directly, not through this object."""
         with open(self.path / WRITE_LOCK, "a") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             yield
 
     def clear(self) -> None:
         """Deletes the run's records (`overwrite=true`): it starts again under the same identity."""
-        with self._writing():
-            for name in (GENERATIONS, BATCHES, FIDELITY, METRICS, PROVENANCE, ITEMS, CONFIG):
+        with self.writing():
+            for name in (GENERATIONS, BATCHES, FIDELITY, METRICS, PROVENANCE, ITEMS, CONFIG, GRADER):
                 (self.path / name).unlink(missing_ok=True)
 
     def close(self) -> None:
@@ -219,19 +223,19 @@ class RunDir:
         self.close()
 
     def generations(self) -> list[dict]:
-        with self._writing():
+        with self.writing():
             return read_records(self.path / GENERATIONS)
 
     def batches(self) -> list[dict]:
-        with self._writing():
+        with self.writing():
             return read_records(self.path / BATCHES)
 
     def fidelity(self) -> list[dict]:
-        with self._writing():
+        with self.writing():
             return read_records(self.path / FIDELITY)
 
     def append_fidelity(self, records: list[dict]) -> None:
-        with self._writing():
+        with self.writing():
             append_records(self.path / FIDELITY, records)
 
     def commit(self, generations: list[dict], batch: dict | None,
@@ -241,7 +245,7 @@ class RunDir:
         in one step against the other shards; returns the metrics. Records of an (item, sample)
         already stored are dropped (a shard of another count made them), and the batch record with
         them when none is left."""
-        with self._writing():
+        with self.writing():
             stored = read_records(self.path / GENERATIONS)
             batches = read_records(self.path / BATCHES)
             done = {(record["id"], record["sample"]) for record in stored}
@@ -256,22 +260,22 @@ class RunDir:
         return metrics
 
     def read_json(self, name: str, default: Any = None) -> Any:
-        with self._writing():
+        with self.writing():
             path = self.path / name
             return read_json_file(path) if path.exists() else default
 
     def write_json(self, name: str, value: Any) -> None:
-        with self._writing():
+        with self.writing():
             atomic_write(self.path / name, _json_text(value))
 
     def update_json(self, name: str, change: Callable[[Any], Any], default: Any = None) -> None:
         """Rewrites a JSON file as `change(its value, or default)`, in one step against the other shards."""
-        with self._writing():
+        with self.writing():
             path = self.path / name
             atomic_write(path, _json_text(change(read_json_file(path) if path.exists() else default)))
 
     def write_text(self, name: str, text: str) -> None:
-        with self._writing():
+        with self.writing():
             atomic_write(self.path / name, text)
 
 

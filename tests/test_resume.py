@@ -10,9 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.runs import BASE, run_cli, run_dirs
+from helpers.runs import BASE, records, run_cli, run_dirs
 
 from evals.configs import compose_config
+from evals.fingerprint import grader_record
+from evals.grading import Grade
 from evals.hub import OFFLINE, offline_unless_reachable
 from evals.pipeline import check_device_fits, evaluate
 from longflow.errors import UserError
@@ -71,6 +73,31 @@ def test_editing_the_method_never_reports_the_old_numbers_silently(edited_method
     out = capsys.readouterr().out
     assert "complete" not in out and "resuming" not in out
     assert len(provenance(root)) == 1 and again["n_items"] == first["n_items"] == 2
+
+
+def test_a_changed_grader_grades_the_stored_outputs_again_on_resume(edited_method, tmp_path, capsys, monkeypatch):
+    """A run extended under an edited grade() is graded by that grader alone, old items included, and
+    grader.json says which grader that is; the generation code is the same, so nothing is refused."""
+    root = tmp_path / "runs"
+    evaluate(config(root, "limit=2"))
+    [run] = run_dirs(root)
+    assert json.loads((run / "grader.json").read_text()) == grader_record()
+    assert not any(record["correct"] for record in records(run))  # random weights answer nothing
+
+    def lenient(requests, workers, timeout):  # the edited grader: every answer right
+        return [Grade(correct=True, extracted="2", reason="correct") for _ in requests]
+
+    edited = grader_record()
+    edited = {**edited, "fingerprint": "edited", "files": {**edited["files"], "evals/grading/verdict.py": "edited"}}
+    monkeypatch.setattr("evals.pipeline.grade_many", lenient)
+    monkeypatch.setattr("evals.grading.regrade.grade_many", lenient)
+    monkeypatch.setattr("evals.pipeline.grader_record", lambda: edited)
+    capsys.readouterr()
+    [metrics] = evaluate(config(root, "limit=3"))
+    assert "stored grades are from another grader (evals/grading/verdict.py changed since)" in capsys.readouterr().out
+    assert len(records(run)) == 3 and all(record["correct"] for record in records(run))
+    assert metrics["accuracy"] == 1.0
+    assert json.loads((run / "grader.json").read_text()) == edited
 
 
 def test_an_edited_prompt_is_generation_code(tmp_path, monkeypatch):

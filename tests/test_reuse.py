@@ -17,6 +17,7 @@ from helpers import method_variants, policy_of
 from helpers.runs import REPO, records, run_cli, run_dirs
 
 from evals.configs import CONF_DIR, compose_config, model_spec
+from evals.grading import Grade
 from evals.metrics import summarize
 from evals.pipeline import Job, Setup, evaluate
 from evals.reuse import LF_REPO_BELOW, MARK, full_cache_identity, reusable, row_spec
@@ -182,6 +183,24 @@ def test_a_missing_full_cache_run_generates_everything_and_says_so(tmp_path, dat
         (metrics,) = evaluate(cfg)
     assert metrics["reused_share"] == 0 and metrics["n_items"] == 2
     assert [r.levelname for r in caplog.records if "no full-cache run" in r.message] == ["WARNING"]
+
+
+def test_copied_records_are_graded_by_the_runs_own_grader(tmp_path, data_root, monkeypatch):
+    """A copy carries the full cache's output, not the grade its run's grader gave it: graded again
+    here, so that the method's run holds the grades of one grader (the one its grader.json names)."""
+    monkeypatch.setenv("LONGFLOW_DATA_ROOT", str(data_root))
+    base = [*RUN, "limit=2", "generation.max_new_tokens=4", "budget=4096", f"results_dir={tmp_path}"]
+    (full,) = evaluate(compose_config([*base, "method=vanilla"]))
+    assert not any(record["correct"] for record in records(tmp_path / full["run_id"]))
+
+    def lenient(requests, workers, timeout):  # another grader than the full cache's run had
+        return [Grade(correct=True, extracted="2", reason="correct") for _ in requests]
+
+    monkeypatch.setattr("evals.grading.regrade.grade_many", lenient)
+    (metrics,) = evaluate(compose_config([*base, "method=h2o", "reuse_full_cache=exact"]))
+    copies = records(tmp_path / metrics["run_id"])
+    assert len(copies) == 2 and all(record[MARK] and record["correct"] for record in copies)
+    assert metrics["accuracy"] == 1.0
 
 
 def test_sampling_refuses_reuse_with_one_line():

@@ -15,6 +15,7 @@ import pytest
 from helpers.runs import BASE, REPO, records, run_cli, run_dirs
 
 from evals.configs import compose_config as composed
+from evals.fingerprint import grader_record
 from evals.pipeline import evaluate
 from evals.run import check_overrides
 from longflow.errors import UserError
@@ -396,6 +397,7 @@ def test_regrade_refuses_a_run_being_written(tmp_path):
     result = regrade_cli(run)
     assert result.returncode == 0, result.stderr
     assert records(run)[0]["correct"] is True  # re-graded once the lock was free
+    assert json.loads((run / "grader.json").read_text()) == grader_record()  # and by which grader
 
 
 @pytest.mark.parametrize("identity_text, records_text, needle", [
