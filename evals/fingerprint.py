@@ -177,15 +177,23 @@ def changed_files(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return sorted(name for name in set(old) | set(new) if old.get(name) != new.get(name))
 
 
+class CodeChanged(UserError):
+    """A run resumed by other code than the code that made it (`check_code`)."""
+
+    def __init__(self, run: Path, changes: str):
+        self.run, self.changes = run, changes
+        super().__init__(f"{run} was made by other code ({changes}); overwrite=true starts it again, "
+                         "allow_code_change=true resumes it knowingly")
+
+
 def check_code(run: Path, provenance: list[dict], now: dict[str, Any], allow_change: bool) -> None:
-    """A UserError when the run at `run` was made by other code than `now`, unless `allow_change`."""
+    """CodeChanged when the run at `run` was made by other code than `now`, unless `allow_change`."""
     before = last_code(provenance)
     if allow_change or before is None or before.get("fingerprint") == now["fingerprint"]:
         return
     changed = changed_files(before, now)
     shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-    raise UserError(f"{run} was made by other code ({shown} changed since); add overwrite=true to start it "
-                    "again, or allow_code_change=true to resume it knowingly")
+    raise CodeChanged(run, f"{shown} changed since")
 
 
 _FINGERPRINTS: dict[tuple, str] = {}  # (name, size, mtime) of a folder's files -> their content hash

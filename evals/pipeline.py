@@ -27,6 +27,7 @@ from baselines.vanilla import VanillaPolicy
 from evals.checks import check_fields
 from evals.datasets import fingerprint, load, registry_spec
 from evals.fingerprint import (
+    CodeChanged,
     check_code,
     checkpoint_fingerprint,
     code_record,
@@ -59,6 +60,16 @@ from longflow.models import (
 LARGE_ON_CPU = 1e9  # parameters above which decoding on the CPU takes hours per long output
 
 logger = logging.getLogger(__name__)
+
+
+class StaleRuns(UserError):
+    """The runs of a config refused for their code (`evals.fingerprint.CodeChanged`), once its other
+    runs were done: `refused`, (dataset, its refusal) pairs; `metrics`, the other runs' metrics."""
+
+    def __init__(self, refused: list[tuple[str, CodeChanged]], metrics: list[dict[str, Any]]):
+        self.refused, self.metrics = refused, metrics
+        more = f" (and {len(refused) - 1} more runs of this config)" if len(refused) > 1 else ""
+        super().__init__(f"{refused[0][1]}{more}")
 
 
 class Interrupted(Exception):
@@ -231,7 +242,8 @@ def check_context(setup: Setup) -> None:
 def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[str, Any]]:
     """Runs (or resumes) every dataset of a resolved plain-dict config; returns their metrics.
 
-    `config_yaml`, the resolved config, is stored in each run directory.
+    `config_yaml`, the resolved config, is stored in each run directory. A run made by other code is
+    refused (`evals.fingerprint.check_code`) without stopping the others: StaleRuns once they are done.
     """
     check_device(cfg["device"])
     device = job_device(cfg["device"])  # first: it may narrow the visible GPUs, which only works before CUDA starts
@@ -252,8 +264,16 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
                     setup.engine, setup.verify)
     seeds = {"generation": setup.generation.seed, "dataset": cfg["dataset"]["seed"], "init": setup.model.init_seed}
     code, grader = code_record(setup.policy), grader_record()
-    return [run_dataset(job, setup, engine, tokenizer, Path(cfg["results_dir"]), config_yaml, seeds, code, grader)
-            for job in jobs]
+    metrics, refused = [], []
+    for job in jobs:
+        try:
+            metrics.append(run_dataset(job, setup, engine, tokenizer, Path(cfg["results_dir"]), config_yaml, seeds,
+                                       code, grader))
+        except CodeChanged as error:  # that run's concern: the config's other runs are independent of it
+            refused.append((job.name, error))
+    if refused:
+        raise StaleRuns(refused, metrics)
+    return metrics
 
 
 def check_device_fits(spec: ModelSpec, model, device: torch.device) -> None:

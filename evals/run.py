@@ -6,11 +6,15 @@
 
 This module is the command line: the group choices, override keys and field values of every job
 are checked before Hydra starts (torch-free checks first, so a typo answers at once), then Hydra's
-main runs each job through `evals.pipeline.evaluate`. Errors are one `error:` line and exit code 2.
+main runs each job through `evals.pipeline.evaluate`. Errors are one `error:` line and exit code 2;
+a job of a `-m` sweep that is refused does not stop the others (`_hydra_main`), and a run made by
+other code is named with the command that redoes it alone (`redo_command`).
 """
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 import warnings
 from pathlib import Path
@@ -66,30 +70,77 @@ def _one_line(error: BaseException) -> str:
     return "; ".join(line for line in lines if line and not line.startswith(("full_key", "object_type", "See ")))
 
 
+def redo_command(overrides: list[str], dataset: str, datasets: list[str]) -> str:
+    """The command that starts the run of `dataset` again and no other: the job's `overrides` with
+    `overwrite=true`, its datasets narrowed to that one (overwrite=true deletes every run of its
+    command), and without `shard=` (a shard cannot be overwritten alone: the whole run is redone)."""
+
+    def key(override: str) -> str:
+        return override.partition("=")[0].lstrip("+~")
+
+    kept = [override for override in overrides
+            if key(override) not in ("overwrite", "allow_code_change", "shard", "dataset.names")
+            and not (key(override).startswith("dataset.overrides.")
+                     and key(override).split(".")[2] != dataset and len(datasets) > 1)]
+    narrowed = [f"dataset.names=[{dataset}]"] if len(datasets) > 1 else []
+    return shlex.join(["python", "-m", "evals.run", *kept, *narrowed, "overwrite=true"])
+
+
 def _hydra_main() -> None:
     import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
     from omegaconf import OmegaConf
 
     from evals.grading import GraderError
-    from evals.pipeline import Interrupted, evaluate
+    from evals.pipeline import Interrupted, StaleRuns, evaluate
+
+    # A job of a -m sweep that is refused is reported and the sweep goes on: every job's config was
+    # checked before Hydra started, so what refuses one job (a run made by other code, a run locked by
+    # another process, one item out of memory) is that job's own, and the others may hold hours of
+    # work. Counted here when the jobs run in this process; a launcher's job that runs in another
+    # exits with the error, and the launcher reports it as failed.
+    this_process, jobs, refused = os.getpid(), [], []
 
     @hydra.main(version_base=VERSION_BASE, config_path=str(CONF_DIR), config_name=PRIMARY)
     def main(config) -> list[str]:
         """One job; returns its run directories (`results_dir` as given / run name: `evals.sweeps`)."""
+        hydra_config = HydraConfig.get()
+        goes_on = hydra_config.mode == RunMode.MULTIRUN and os.getpid() == this_process
+        if goes_on:
+            jobs.append(hydra_config.job.num)
+        cfg = OmegaConf.to_container(config, resolve=True)
         try:
-            cfg = OmegaConf.to_container(config, resolve=True)
             metrics = evaluate(cfg, OmegaConf.to_yaml(config, resolve=True))
-            return [str(Path(cfg["results_dir"]) / run["run_id"]) for run in metrics]
+        except StaleRuns as stale:
+            for dataset, error in stale.refused:
+                command = redo_command(list(hydra_config.overrides.task), dataset, cfg["dataset"]["names"])
+                print(f"error: {error.run} was made by other code ({error.changes}); to start this run alone "
+                      f"again: {command} (allow_code_change=true in place of overwrite=true resumes it "
+                      "knowingly)", file=sys.stderr)
+            if not goes_on:
+                sys.exit(2)
+            refused.append(hydra_config.job.num)
+            metrics = stale.metrics
         except UserError as error:
-            sys.exit(report(error))
+            if not goes_on:
+                sys.exit(report(error))
+            report(error)
+            refused.append(hydra_config.job.num)
+            metrics = []
         except GraderError as error:  # the grader's own failure: nothing was counted wrong for it
             print(f"error: grading failed, the run stopped: {error}", file=sys.stderr)
             sys.exit(1)
         except Interrupted as interrupted:
             print(interrupted, file=sys.stderr)
             sys.exit(INTERRUPTED)
+        return [str(Path(cfg["results_dir"]) / run["run_id"]) for run in metrics]
 
     main()
+    if refused:
+        numbers = ", ".join(f"#{number}" for number in refused)
+        raise UserError(f"{len(refused)} of {len(jobs)} jobs refused ({numbers}, their errors above); "
+                        "the other jobs ran")
 
 
 def readable_warnings() -> None:

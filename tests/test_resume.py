@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.runs import BASE, records, run_cli, run_dirs
+from helpers.runs import BASE, REPO, records, run_cli, run_dirs
 
 from evals.configs import compose_config
 from evals.fingerprint import grader_record
@@ -147,6 +148,39 @@ def test_an_unreachable_hub_is_asked_once_then_offline(monkeypatch):
     assert not any(os.environ.get(name) for name in OFFLINE)
     offline_unless_reachable([compose_config(["model=qwen3_8b", "dataset=demo"])])
     assert all(os.environ.get(name) == "1" for name in OFFLINE)
+
+
+@pytest.mark.slow
+def test_a_stale_run_in_a_sweep_names_its_own_command_and_the_sweep_goes_on(edited_method, tmp_path):
+    """A run made by other code refuses its job's run alone: the sweep's other jobs and the job's other
+    datasets run, the error gives the command that starts just that run again, and that command
+    touches no other run."""
+    env = {"PYTHONPATH": os.pathsep.join([str(edited_method.parent), str(REPO)])}
+    runs, sweep = tmp_path / "runs", tmp_path / "sweep"
+    common = [*BASE, "method=streaming", "method._target_=edited_method.EditedPolicy", "limit=1",
+              "generation.max_new_tokens=4", f"results_dir={runs}"]
+    first = run_cli(*common, "dataset.names=[demo_math]", "budget=32", env=env)
+    assert first.returncode == 0, first.stderr
+    [stale] = run_dirs(runs)
+    edited_method.write_text(EDITED + "    n_sink: int = 4  # edited\n")
+
+    result = run_cli("-m", *common, "budget=32,48", f"hydra.sweep.dir={sweep}", env=env)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 2 and errors[-1].startswith("error: 1 of 2 jobs refused (#0")
+    assert errors[0].startswith(f"error: {stale} was made by other code (")
+    command = errors[0].split("to start this run alone again: ")[1].split(" (allow_code_change")[0]
+    assert command.startswith("python -m evals.run ") and not {"-m", "--multirun"} & set(command.split()[3:])
+    assert "budget=32" in command and command.endswith("overwrite=true")
+    assert "dataset.names=[demo_math]" in command  # not the job's other dataset
+    made = sorted(json.loads((sweep / "sweep.json").read_text())["runs"])
+    assert len(run_dirs(runs)) == 4 and made == sorted(str(run) for run in run_dirs(runs) if run != stale)
+    before = {run: records(run) for run in run_dirs(runs) if run != stale}
+
+    redo = run_cli(*shlex.split(command)[3:], env=env)
+    assert redo.returncode == 0, redo.stderr
+    assert len(json.loads((stale / "provenance.json").read_text())) == 1  # started again, by this code
+    assert {run: records(run) for run in run_dirs(runs) if run != stale} == before
 
 
 @pytest.mark.slow
