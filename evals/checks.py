@@ -1,12 +1,14 @@
 """A run config's own fields checked before torch is imported (a typo answers in a second, not after
 the imports): its keys against those of `conf/config.yaml` with a did-you-mean, the scalar fields,
-and the generation and engine configs (`longflow.config`, torch-free). The method, the model and the
+a model folder that does not exist, and the generation and engine configs (`longflow.config`,
+torch-free). The method, the model and the
 device are checked by `evals.pipeline.Setup`, which builds them."""
 
 from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from evals.configs import CONF_DIR, compose_config, default_config, group_options
@@ -61,6 +63,7 @@ def check_fields(cfg: dict[str, Any]) -> None:
     for key in ("fidelity", "overwrite", "allow_code_change", "allow_other_model_files"):
         if not isinstance(cfg[key], bool):
             raise UserError(f"{key} must be true or false, got {cfg[key]!r}")
+    check_model_folder(cfg["model"])
     if not isinstance(cfg["results_dir"], str) or not cfg["results_dir"]:
         raise UserError(f"results_dir must be a folder path, got {cfg['results_dir']!r}")
     if Shard.parse(cfg.get("shard")) is not None and cfg["overwrite"]:
@@ -70,6 +73,21 @@ def check_fields(cfg: dict[str, Any]) -> None:
     generation = from_mapping(GenerationConfig, generation, "generation")
     from_mapping(EngineConfig, cfg["engine"], "engine")
     from_mapping(VerifyConfig, cfg.get("verify", {}), "verify").check_generation(generation)
+
+
+def check_model_folder(model: dict[str, Any]) -> None:
+    """A pretrained model's `hub_id` written as a path (absolute, from `.` or `~`, or with more than
+    one `/`, which no hub id has) names a folder, from the working directory or else the project
+    root (`longflow.models.checkpoint_location`): otherwise the hub would answer that it is no repo id."""
+    hub_id = model.get("hub_id")
+    if model.get("weights") == "random" or not isinstance(hub_id, str):
+        return
+    if not (hub_id.startswith(("/", ".", "~")) or hub_id.count("/") > 1 or "\\" in hub_id):
+        return
+    path = Path(hub_id).expanduser()
+    if not (path.is_dir() or (not path.is_absolute() and (CONF_DIR.parent / path).is_dir())):
+        raise UserError(f"model.hub_id={hub_id!r}: no such folder (a local checkpoint is a folder written by "
+                        "save_pretrained; a hub id is <org>/<name>)")
 
 
 def config_groups() -> list[str]:

@@ -126,6 +126,8 @@ def test_the_decode_kernel_is_no_part_of_a_runs_identity(method, execution, outp
         (["grading.timeout=2.5"], "grading.timeout must be a positive integer, got 2.5"),
         (["-m", "method=h2o,vanilla", "budget=64,abc"], "budget must be a positive integer"),
         (["method=rkv", "budget=8"], "rkv: budget 8 too small"),
+        (["model=canary", "model.hub_id=/nonexistent"], "model.hub_id='/nonexistent': no such folder"),
+        (["model=canary", "model.hub_id=evals/canary/no_model"], "model.hub_id='evals/canary/no_model': no such"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(args, needle, tmp_path):
