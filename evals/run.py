@@ -22,7 +22,7 @@ from pathlib import Path
 from evals.checks import check_choices, check_fields, check_override_keys
 from evals.configs import CONF_DIR, PRIMARY, VERSION_BASE, compose_config
 from evals.hub import offline_unless_reachable
-from evals.sweeps import sweep_jobs
+from evals.sweeps import split_overrides, sweep_jobs
 from longflow.errors import UserError, report
 
 INTERRUPTED = 130  # the exit code of a process ended by SIGINT
@@ -43,7 +43,11 @@ def check_overrides(argv: list[str]) -> None:
     overrides = [argument for argument in argv if not argument.startswith("-")]
     check_choices(overrides)
     try:
-        jobs = sweep_jobs(overrides) if flags else [overrides]
+        try:
+            jobs = sweep_jobs(overrides) if flags else [overrides]
+        except HydraException:  # composing the sweep's first job, to read an experiment's sweep params
+            check_override_keys(split_overrides(overrides)[0])
+            raise
         configs = []
         for job in jobs:
             try:

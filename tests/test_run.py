@@ -166,6 +166,8 @@ def assert_refused_before_loading(result: subprocess.CompletedProcess, needle: s
         (["budgte=96"], "unknown key budgte (did you mean budget?); the config takes: "),
         (["generation.max_new_tokenz=3"], "unknown key generation.max_new_tokenz (did you mean max_new_tokens?)"),
         (["-m", "method=h2p,h2o"], "unknown method 'h2p' (did you mean h2o?); choose one of: "),
+        (["-m", "method=h2o,vanilla", "fooo=1"], "unknown key fooo; the config takes: "),
+        (["-m", "method=h2o,vanilla", "budgte=96"], "unknown key budgte (did you mean budget?); the config takes: "),
         (["overwrite=yes"], "overwrite must be true or false, got 'yes'"),
         (["shard=0/2", "overwrite=true"], "overwrite=true with shard= would delete the other shards' samples"),
         (["budget=0"], "budget must be a positive integer"),
