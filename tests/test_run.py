@@ -404,6 +404,19 @@ def test_regrade_refuses_a_run_being_written(tmp_path):
     assert json.loads((run / "grader.json").read_text()) == grader_record()  # and by which grader
 
 
+def test_regrade_of_a_live_run_before_its_first_batch_says_it_is_being_written(tmp_path):
+    """A run directory holds run.json from its start, generations.jsonl only from its first batch."""
+    from evals.store import lock_run
+
+    run = fake_run(tmp_path / "run", "")
+    (run / "generations.jsonl").unlink()
+    with lock_run(run):
+        result = regrade_cli(run)
+    assert result.returncode == 2 and "being written by another process" in result.stderr, result.stderr
+    result = regrade_cli(run)  # a run killed before its first batch: nothing to grade
+    assert result.returncode == 2 and "holds no outputs yet" in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("identity_text, records_text, needle", [
     ("{not json", json.dumps(RECORD) + "\n", "run.json is corrupt"),
     (None, "[1, 2]\n", "generations.jsonl:1: corrupt record (a JSON list, not an object)"),

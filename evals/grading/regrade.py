@@ -41,9 +41,11 @@ NOT_GENERATED = {"prompt_too_long"}
 
 def regrade(run: Path, workers: int = 2, timeout: int = 10) -> dict:
     """Re-grades one run directory in place; returns its new metrics."""
-    if not (run / IDENTITY).exists() or not (run / GENERATIONS).exists():
-        raise UserError(f"{run} is not a run directory (no {IDENTITY} or {GENERATIONS})")
-    with closing(lock_run(run)):
+    if not (run / IDENTITY).exists():
+        raise UserError(f"{run} is not a run directory (no {IDENTITY})")
+    with closing(lock_run(run)):  # first: a run that has not stored its first batch is being written
+        if not (run / GENERATIONS).exists():
+            raise UserError(f"{run} holds no outputs yet (no {GENERATIONS}): nothing to re-grade")
         return regrade_files(run, workers, timeout, grader_record())
 
 
