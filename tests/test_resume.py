@@ -138,16 +138,43 @@ def test_a_large_model_on_the_cpu_is_warned(caplog):
     assert "8.0B parameters and runs on the CPU" in caplog.text
 
 
-def test_an_unreachable_hub_is_asked_once_then_offline(monkeypatch):
+@pytest.fixture
+def unreachable_hub(monkeypatch, tmp_path):
+    """No hub (a local port nothing listens on: refused at once), and an empty hub cache."""
+    from huggingface_hub import constants
+
     for name in OFFLINE:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.delenv("HTTPS_PROXY", raising=False)
     monkeypatch.delenv("https_proxy", raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1:9")  # nothing listens there: refused at once
+    monkeypatch.setenv("HF_ENDPOINT", "https://127.0.0.1:9")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # for the processes a test starts
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    return tmp_path / "hub"
+
+
+def test_an_unreachable_hub_is_asked_once_then_offline(unreachable_hub):
     offline_unless_reachable([compose_config(["model=canary", "dataset=demo"])])  # needs no hub
     assert not any(os.environ.get(name) for name in OFFLINE)
+    snapshot = unreachable_hub / "models--Qwen--Qwen3-8B" / "snapshots" / "abc"  # the model, cached
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (unreachable_hub / "models--Qwen--Qwen3-8B" / "refs").mkdir()
+    (unreachable_hub / "models--Qwen--Qwen3-8B" / "refs" / "main").write_text("abc")
     offline_unless_reachable([compose_config(["model=qwen3_8b", "dataset=demo"])])
     assert all(os.environ.get(name) == "1" for name in OFFLINE)
+
+
+def test_offline_a_model_that_is_not_cached_is_refused_before_hydra_starts(unreachable_hub, tmp_path):
+    """`make table1` without the hub or the model: one line, before any of Hydra's launch lines."""
+    with pytest.raises(UserError, match="deepseek-ai/DeepSeek-R1-Distill-Llama-8B .revision main. is not in the local"):
+        offline_unless_reachable([compose_config(["experiment=table1", "method=vanilla"])])
+    for name in OFFLINE:
+        os.environ.pop(name)  # set by the probe above; the command below probes for itself
+    result = run_cli("-m", "experiment=table1", "method=vanilla", f"results_dir={tmp_path / 'runs'}", timeout=120)
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr.splitlines() == [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(result.stderr.splitlines()) == 1 and "is not in the local hub cache" in result.stderr
 
 
 @pytest.mark.slow
