@@ -78,17 +78,32 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def context_length(spec: ModelSpec) -> int | None:
-    """The model's positions (`max_position_embeddings`), read from its config without the weights;
-    None when the config cannot be had here (`load_model` then says why)."""
+def model_config(spec: ModelSpec):
+    """The model's transformers config, without its weights: its architecture for random weights,
+    else its folder's or the hub's config.json; None when that cannot be had here (`load_model`
+    then says why)."""
     try:
         if spec.weights == "random":
-            config = AutoConfig.for_model(**spec.architecture)
-        else:
-            config = AutoConfig.from_pretrained(spec.hub_id, revision=spec.revision)
+            return AutoConfig.for_model(**spec.architecture)
+        return AutoConfig.from_pretrained(checkpoint_location(spec.hub_id), revision=spec.revision)
     except (OSError, ValueError):
         return None
-    return getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
+def context_length(spec: ModelSpec) -> int | None:
+    """The model's positions (`max_position_embeddings`), from its config; None without one."""
+    config = model_config(spec)
+    return None if config is None else getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
+def parameter_count(spec: ModelSpec) -> int | None:
+    """The model's parameters, counted on the meta device from its config (a fraction of a second,
+    no memory): what an 8B model costs is known before its 16 GB are read. None without a config."""
+    config = model_config(spec)
+    if config is None:
+        return None
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config).num_parameters()
 
 
 def load_model(spec: ModelSpec, device: torch.device) -> tuple[PreTrainedModel, object]:

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import shlex
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from evals.configs import compose_config
 from evals.fingerprint import grader_record
 from evals.grading import Grade
 from evals.hub import OFFLINE, offline_unless_reachable
-from evals.pipeline import check_device_fits, evaluate
+from evals.pipeline import evaluate
 from longflow.errors import UserError
 
 EDITED = '''from baselines.streaming import StreamingPolicy
@@ -131,11 +130,42 @@ def test_a_budget_that_holds_everything_is_warned(edited_method, tmp_path, caplo
     assert any("never evicts" in record.getMessage() for record in caplog.records)
 
 
-def test_a_large_model_on_the_cpu_is_warned(caplog):
-    large = SimpleNamespace(num_parameters=lambda: 8_000_000_000)
-    with caplog.at_level(logging.WARNING, logger="evals.pipeline"):
-        check_device_fits(SimpleNamespace(name="qwen3_8b"), large, torch.device("cpu"))
-    assert "8.0B parameters and runs on the CPU" in caplog.text
+@pytest.fixture
+def on_a_cpu_machine(monkeypatch):
+    """device=auto finds no GPU, and loading the model fails the test."""
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("evals.pipeline.job_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr("evals.pipeline.load_model", load_model)
+
+
+def large_model(root, device: str) -> dict:
+    return compose_config(["model=qwen3_8b", "model.weights=random", "dataset=demo", "limit=1", f"device={device}",
+                           f"results_dir={root}"])
+
+
+def test_a_large_model_that_device_auto_puts_on_the_cpu_is_refused_before_loading(on_a_cpu_machine, tmp_path):
+    """An 8B model's 16 GB read into a small machine's memory got its processes killed: its size is known
+    from its config, so device=auto without a GPU refuses it, and device=cpu is the way to mean it."""
+    with pytest.raises(UserError, match=r"model qwen3_8b \(8.2B parameters, 16 GB in bfloat16\) would run on the "
+                                        r"CPU: device=auto found no GPU here; .*pass device=cpu"):
+        evaluate(large_model(tmp_path, "auto"))
+
+
+def test_a_large_model_on_the_cpu_asked_for_is_loaded_with_a_warning(on_a_cpu_machine, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="evals.pipeline"), pytest.raises(AssertionError, match="loaded"):
+        evaluate(large_model(tmp_path, "cpu"))
+    assert "model qwen3_8b (8.2B parameters, 16 GB in bfloat16) runs on the CPU: expect hours" in caplog.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="device=auto finds a GPU here")
+def test_a_large_model_on_a_cpu_machine_is_one_line(tmp_path):
+    result = run_cli("model=qwen3_8b", "model.weights=random", "dataset=demo", f"results_dir={tmp_path}", timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.strip()][-1].startswith("error: model qwen3_8b (8.2B")
+    assert not run_dirs(tmp_path)
 
 
 @pytest.fixture
