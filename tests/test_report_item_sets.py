@@ -10,6 +10,7 @@ import pytest
 from helpers.reports import write_recorded_run, write_sweep
 from helpers.runs import BASE, records, run_cli, run_dirs
 from hydra.core.utils import JobReturn, JobStatus
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from evals.report.runs import collect, collect_sweeps
@@ -94,8 +95,8 @@ def test_a_sweep_of_the_old_format_is_reported_with_a_warning(two_sweeps, capsys
     assert "records no item sets" in capsys.readouterr().err
 
 
-def job_config(sweep_dir, number: int, task=("method=vanilla,h2o", "limit=2")):
-    return OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}, "job": {"num": number},
+def job_config(sweep_dir, number: int, task=("method=vanilla,h2o", "limit=2"), mode=RunMode.MULTIRUN):
+    return OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep_dir)}, "job": {"num": number}, "mode": mode,
                                        "overrides": {"task": list(task)}}})
 
 
@@ -167,8 +168,9 @@ def test_a_single_run_leaves_no_sweep_record_and_stray_ones_are_ignored(tmp_path
     root = tmp_path / "runs"
     run = write_recorded_run(root, "h2o", 96, dict.fromkeys(TWO, True))
     callback, sweep = SweepRecord(), root / ".hydra" / "single"
-    callback.on_job_start(job_config(sweep, 0))
-    callback.on_job_end(job_config(sweep, 0), JobReturn(status=JobStatus.COMPLETED, _return_value=[str(run)]))
+    single = job_config(sweep, 0, mode=RunMode.RUN)
+    callback.on_job_start(single)
+    callback.on_job_end(single, JobReturn(status=JobStatus.COMPLETED, _return_value=[str(run)]))
     assert not sweep.exists()
     (root / ".hydra" / "old").mkdir(parents=True)
     (root / ".hydra" / "old" / "sweep.json").write_text("{}")  # what single runs used to leave
