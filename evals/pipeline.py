@@ -50,16 +50,13 @@ from longflow.errors import UserError, out_of_memory
 from longflow.fidelity import teacher_force
 from longflow.methods import TARGET, build_policy, without_execution_fields
 from longflow.models import (
-    DTYPES,
     ModelSpec,
     check_device,
+    check_fits_device,
     context_length,
     eos_token_ids,
     load_model,
-    parameter_count,
 )
-
-LARGE_ON_CPU = 1e9  # parameters above which decoding on the CPU takes hours per long output
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +252,7 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
             f"this experiment needs a CUDA GPU (none visible here) and hub access to {setup.model.hub_id}; "
             "run it on a GPU machine with the model downloadable or cached"
         )
-    check_device_fits(setup.model, device, cfg["device"])
+    check_fits_device(setup.model, device, cfg["device"])
     jobs = load_jobs(cfg["dataset"], setup.limit)
     check_context(setup)
     check_method_files(setup)
@@ -276,23 +273,6 @@ def evaluate(cfg: dict[str, Any], config_yaml: str | None = None) -> list[dict[s
     if refused:
         raise StaleRuns(refused, metrics)
     return metrics
-
-
-def check_device_fits(spec: ModelSpec, device: torch.device, asked: str) -> None:
-    """Before the weights load: a model of over `LARGE_ON_CPU` parameters that is to decode on the
-    CPU is refused unless the config asked for the CPU (`asked`, its `device`), and warned about
-    when it did: device=auto on a machine without a visible GPU would read all its weights into
-    host memory (16 GB for an 8B model, enough to get the machine's processes killed), then take
-    hours per item."""
-    parameters = parameter_count(spec) if device.type == "cpu" else None
-    if parameters is None or parameters <= LARGE_ON_CPU:
-        return
-    gigabytes = parameters * DTYPES[spec.dtype].itemsize / 1e9
-    size = f"{parameters / 1e9:.1f}B parameters, {gigabytes:.0f} GB in {spec.dtype}"
-    if asked != "cpu":
-        raise UserError(f"model {spec.name} ({size}) would run on the CPU: device={asked} found no GPU here; run it "
-                        "on a GPU machine, or pass device=cpu to load it into this machine's memory anyway")
-    logger.warning("model %s (%s) runs on the CPU: expect hours per item", spec.name, size)
 
 
 def check_budget_bounds(setup: Setup, job: Job, prompts: dict[str, list[int]]) -> None:

@@ -7,6 +7,7 @@ the tests and the demo, and full-size architectures for speed benchmarks on a GP
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,9 @@ from longflow.errors import UserError
 from longflow.tokenizer import CHAT_FORMATS, build_tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+LARGE_ON_CPU = 1e9  # parameters above which decoding on the CPU takes hours per long output
+
+logger = logging.getLogger(__name__)
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -104,6 +108,23 @@ def parameter_count(spec: ModelSpec) -> int | None:
         return None
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config).num_parameters()
+
+
+def check_fits_device(spec: ModelSpec, device: torch.device, asked: str) -> None:
+    """Before the weights load: a model of over `LARGE_ON_CPU` parameters that is to decode on the
+    CPU is refused unless the CPU was asked for (`asked`, the `device` setting), and warned about
+    when it was: device=auto on a machine without a visible GPU would read all its weights into
+    host memory (16 GB for an 8B model, enough to get the machine's processes killed), then take
+    hours per item."""
+    parameters = parameter_count(spec) if device.type == "cpu" else None
+    if parameters is None or parameters <= LARGE_ON_CPU:
+        return
+    gigabytes = parameters * DTYPES[spec.dtype].itemsize / 1e9
+    size = f"{parameters / 1e9:.1f}B parameters, {gigabytes:.0f} GB in {spec.dtype}"
+    if asked != "cpu":
+        raise UserError(f"model {spec.name} ({size}) would run on the CPU: device={asked} found no GPU here; run it "
+                        "on a GPU machine, or pass device=cpu to load it into this machine's memory anyway")
+    logger.warning("model %s (%s) runs on the CPU: expect hours per item", spec.name, size)
 
 
 def load_model(spec: ModelSpec, device: torch.device) -> tuple[PreTrainedModel, object]:

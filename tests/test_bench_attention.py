@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from evals.bench import attention as bench_attention
+from longflow.errors import UserError
 
 
 def grid_rows() -> list[dict]:
@@ -44,5 +45,5 @@ def test_replot_redraws_the_figure_from_the_csv(tmp_path, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_timing_without_a_gpu_says_so():
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+    with pytest.raises(UserError, match="needs a CUDA GPU"):
         bench_attention.main(["--quick"])

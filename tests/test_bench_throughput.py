@@ -156,3 +156,13 @@ def test_main_writes_the_figure_csv_and_validation(tmp_path, one_thread):
     bench_throughput.main([*TINY, "--methods", "longflow", "--batches", "2", "--validate", "--out", str(tmp_path)])
     validation = pd.read_csv(tmp_path / "fig3_validation.csv")
     assert list(validation["method"]) == ["longflow"] and (validation["measured_tokens_per_s"] > 0).all()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of a machine without CUDA")
+def test_a_full_size_model_is_refused_on_the_cpu_before_its_weights_are_made(capsys):
+    """`make fig3` on a machine without a GPU: one line, exit code 2, where it used to make Qwen3-8B's
+    16 GB of random weights in host memory."""
+    with pytest.raises(SystemExit) as stopped:
+        bench_throughput.run(lambda: bench_throughput.main([]))
+    assert stopped.value.code == 2
+    assert "error: model qwen3_8b (8.2B parameters, 16 GB in bfloat16) would run on the CPU" in capsys.readouterr().err

@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from evals.bench.common import require_cuda, run
 from longflow.attention import decode_attention
 from longflow.kernels import reference
 from longflow.selection import choose_next
@@ -371,8 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {args.replot.with_suffix('.png')}")
         print_table(rows)
         return
-    if not torch.cuda.is_available():
-        raise SystemExit("evals.bench.attention needs a CUDA GPU (the timings are of GPU kernels)")
+    require_cuda("evals.bench.attention")
     device = torch.device("cuda")
     if args.quick:
         args.batches, args.slots = [1, 128], [3200]
@@ -390,4 +390,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -1,19 +1,49 @@
-"""What the benchmark scripts share: a method's policy and the engine that decodes with it, random
-prompts for random-weight models, the printed table with its CSV, and the `--compile` settings."""
+"""What the benchmark scripts share: the random-weight model on its device, a method's policy and the
+engine that decodes with it, random prompts, the printed table with its CSV, the `--compile` settings,
+and the entry point's one-line errors."""
 
 from __future__ import annotations
 
 import copy
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from evals.configs import method_config
+from evals.configs import method_config, model_spec
 from longflow.config import EngineConfig, VerifyConfig
 from longflow.engine import Engine
+from longflow.errors import UserError, report
 from longflow.methods import build_policy
+from longflow.models import ModelSpec, check_fits_device, load_model, resolve_device
 from longflow.policy import KVPolicy
+
+
+def bench_model(name: str, device: str, dtype: str | None = None) -> tuple[object, ModelSpec, torch.device]:
+    """(model, spec, device): `conf/model/<name>.yaml`'s architecture with random weights, in `dtype`
+    (default: the config's), on `device` (auto, cpu, cuda[:N]); a model too large for the CPU that
+    device=auto would put there is refused before its weights are made (`check_fits_device`)."""
+    spec = model_spec(name, weights="random", **({"dtype": dtype} if dtype else {}))
+    resolved = resolve_device(device)
+    check_fits_device(spec, resolved, device)
+    model, _ = load_model(spec, resolved)
+    return model, spec, resolved
+
+
+def require_cuda(what: str) -> None:
+    """A GPU-only benchmark's refusal on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        raise UserError(f"{what} needs a CUDA GPU (its timings are of GPU kernels)")
+
+
+def run(main: Callable[[], object]) -> None:
+    """A benchmark's `__main__`: `main()`, its UserError as one `error:` line and exit code 2."""
+    try:
+        main()
+    except UserError as error:
+        sys.exit(report(error))
 
 
 def method_policy(method: str, budget: int | None) -> KVPolicy:

@@ -33,17 +33,18 @@ import torch
 from evals.bench.common import (
     COMPILE_SETTINGS,
     bench_engine,
+    bench_model,
     compile_settings,
     method_policy,
     random_prompts,
+    run,
     save_table,
     write_table,
 )
-from evals.configs import group_options, model_spec
+from evals.configs import group_options
 from longflow.cache import ATTENTION_NAME
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import synchronize
-from longflow.models import load_model, resolve_device
 
 
 def time_engine(model, method: str, budget: int, prompts, new_tokens: int, cuda_graph: bool,
@@ -140,9 +141,7 @@ def main() -> None:
                         help="untimed full-length runs of the first method before any is timed (default 1)")
     args = parser.parse_args()
 
-    spec = model_spec(args.model, weights="random", **({"dtype": args.dtype} if args.dtype else {}))
-    device = resolve_device(args.device)
-    model, _ = load_model(spec, device)
+    model, spec, device = bench_model(args.model, args.device, args.dtype)
     prompts = random_prompts(args.batch, args.prompt, model.config.get_text_config().vocab_size)
 
     methods = args.methods.split(",")
@@ -174,4 +173,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evals.bench.common import write_table
+from evals.bench.common import require_cuda, run, write_table
 from longflow.kernels import newest_duplicates
 
 DEFAULT = {name: parameter.default for name, parameter in inspect.signature(newest_duplicates).parameters.items()
@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true", help="time tile shapes and warps besides the default")
     parser.add_argument("--out", default="results/bench_duplicates.csv")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("the duplicate-search benchmark needs a CUDA GPU")
+    require_cuda("evals.bench.duplicates")
     device = torch.device("cuda")
     keys, inverse = layer_keys(args.batch, args.kv_heads, args.slots, args.head_dim, args.shared, device)
     configs = [DEFAULT]
@@ -97,4 +96,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

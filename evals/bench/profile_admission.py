@@ -32,11 +32,10 @@ import time
 import pandas as pd
 import torch
 
-from evals.bench.common import bench_engine, method_policy, random_prompts
-from evals.configs import model_spec
+from evals.bench.common import bench_engine, bench_model, method_policy, random_prompts, run
 from longflow.config import GenerationConfig
 from longflow.engine import DecodeState, Engine, synchronize
-from longflow.models import load_model, resolve_device
+from longflow.models import resolve_device
 
 PARTS = ("allocate", "prefill", "adopt", "admit")
 PREFILLS = ("eager", "compiled")
@@ -89,10 +88,9 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     if not prefills or not set(prefills) <= set(PREFILLS):
         parser.error(f"--prefill takes {', '.join(PREFILLS)} or both, got {args.prefill!r}")
 
-    device = resolve_device(args.device)
-    if "compiled" in prefills and device.type != "cuda":
+    if "compiled" in prefills and resolve_device(args.device).type != "cuda":
         parser.error("--prefill compiled needs a GPU: the engine compiles on CUDA only")
-    model, _ = load_model(model_spec(args.model, weights="random"), device)
+    model, _, device = bench_model(args.model, args.device)
     batch = max(counts + [args.profile])
     rows = []
     for prefill in prefills:
@@ -148,4 +146,4 @@ def admissions(engine: Engine, counts: list[int], batch: int, args) -> list[dict
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

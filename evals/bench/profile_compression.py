@@ -24,12 +24,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evals.bench.common import bench_engine, method_policy, random_prompts, write_table
+from evals.bench.common import bench_engine, bench_model, method_policy, random_prompts, run, write_table
 from evals.bench.throughput import fast_forward, schedule
-from evals.configs import model_spec
 from longflow.config import GenerationConfig
 from longflow.engine import DecodeState, synchronize
-from longflow.models import load_model, resolve_device
 
 
 def timed_step(engine, cache, state, generation, step: int) -> float:
@@ -100,9 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="results/profile_compression.csv")
     args = parser.parse_args(argv)
-    spec = model_spec(args.model, weights="random")
-    device = resolve_device(args.device)
-    model, _ = load_model(spec, device)
+    model, spec, device = bench_model(args.model, args.device)
     rows = []
     for method in args.methods.split(","):
         rows.append(profile_method(model, method, args.budget, args.batch, args.prompt, args.repeats, args.top))
@@ -115,4 +111,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

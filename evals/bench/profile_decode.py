@@ -27,7 +27,7 @@ import pandas as pd
 import torch
 from torch.autograd import DeviceType
 
-from evals.bench.common import COMPILE_SETTINGS, compile_settings, method_policy, random_prompts
+from evals.bench.common import COMPILE_SETTINGS, compile_settings, method_policy, random_prompts, run
 from evals.bench.compile_options import inductor_options
 from evals.configs import model_spec
 from longflow.config import EngineConfig, GenerationConfig
@@ -158,4 +158,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

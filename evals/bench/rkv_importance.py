@@ -15,6 +15,7 @@ import argparse
 
 import torch
 
+from evals.bench.common import require_cuda, run
 from longflow import kernels
 
 
@@ -28,8 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--blocks", type=int, nargs="+", default=[32, 64, 128], help="slots of one tile")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("evals.bench.rkv_importance needs a CUDA GPU")
+    require_cuda("evals.bench.rkv_importance")
     device = torch.device("cuda")
     q_heads, kv_heads, head_dim = 32, 8, 128  # Qwen3-8B
     generator = torch.Generator(device=device).manual_seed(0)
@@ -57,4 +57,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

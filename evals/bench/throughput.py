@@ -58,13 +58,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evals.bench.common import bench_engine, method_policy, random_prompts
-from evals.configs import model_spec
+from evals.bench.common import bench_engine, bench_model, method_policy, random_prompts, run
 from evals.names import METHOD_NAMES, method_rank, model_name
 from longflow.config import GenerationConfig
 from longflow.engine import DecodeState, Engine, StepTimer, synchronize
 from longflow.errors import out_of_memory
-from longflow.models import load_model, resolve_device
 from longflow.policy import ALIGN, KVPolicy
 from longflow.selection import first_free
 
@@ -486,9 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = args.budget or default_budget(args.prompt, args.new, args.budget_fraction)
     setting = Setting(args.prompt, args.new, budget, args.steps, args.points)
 
-    spec = model_spec(args.model, weights="random", **({"dtype": args.dtype} if args.dtype else {}))
-    device = resolve_device(args.device)
-    model, _ = load_model(spec, device)
+    model, spec, device = bench_model(args.model, args.device, args.dtype)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     about = dict(model=args.model, dtype=spec.dtype, prompt=args.prompt, new_tokens=args.new,
                  steps_timed=args.steps, device=gpu)
@@ -513,4 +509,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

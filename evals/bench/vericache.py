@@ -27,10 +27,17 @@ import argparse
 import numpy as np
 import pandas as pd
 
-from evals.bench.common import COMPILE_SETTINGS, bench_engine, method_policy, random_prompts, save_table, write_table
-from evals.configs import model_spec
+from evals.bench.common import (
+    COMPILE_SETTINGS,
+    bench_engine,
+    bench_model,
+    method_policy,
+    random_prompts,
+    run,
+    save_table,
+    write_table,
+)
 from longflow.config import GenerationConfig, VerifyConfig
-from longflow.models import load_model, resolve_device
 
 
 def median_ms(seconds: list[float]) -> float:
@@ -89,8 +96,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     parser.add_argument("--out", default="results/bench/vericache.csv")
     args = parser.parse_args(argv)
 
-    device = resolve_device(args.device)
-    model, _ = load_model(model_spec(args.model, weights="random"), device)
+    model, _, device = bench_model(args.model, args.device)
     vocab = model.config.get_text_config().vocab_size
     verify = VerifyConfig(name="vericache", horizon=args.horizon, full_cache=args.full_cache)
     levels = [float(a) for a in args.acceptance.split(",") if float(a) <= args.horizon]
@@ -130,4 +136,4 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)

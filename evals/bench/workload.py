@@ -46,11 +46,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from evals.bench.common import bench_engine, method_policy, random_prompts, save_table, write_table
-from evals.configs import model_spec
+from evals.bench.common import bench_engine, bench_model, method_policy, random_prompts, run, save_table, write_table
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine, synchronize
-from longflow.models import load_model, resolve_device
 
 
 def normal_quantile(probability: float) -> float:
@@ -335,9 +333,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
     except ValueError as error:
         parser.error(str(error))
 
-    spec = model_spec(args.model, weights="random")
-    device = resolve_device(args.device)
-    model, _ = load_model(spec, device)
+    model, spec, device = bench_model(args.model, args.device)
     prompts = random_prompts(args.items, args.prompt, model.config.get_text_config().vocab_size, args.seed)
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -363,4 +359,4 @@ def main(argv: list[str] | None = None) -> pd.DataFrame:
 
 
 if __name__ == "__main__":
-    main()
+    run(main)
