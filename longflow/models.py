@@ -110,7 +110,7 @@ def parameter_count(spec: ModelSpec) -> int | None:
         return AutoModelForCausalLM.from_config(config).num_parameters()
 
 
-def check_fits_device(spec: ModelSpec, device: torch.device, asked: str) -> None:
+def check_fits_device(spec: ModelSpec, device: torch.device, asked: str, cpu_option: str = "device=cpu") -> None:
     """Before the weights load: a model of over `LARGE_ON_CPU` parameters that is to decode on the
     CPU is refused unless the CPU was asked for (`asked`, the `device` setting), and warned about
     when it was: device=auto on a machine without a visible GPU would read all its weights into
@@ -123,7 +123,7 @@ def check_fits_device(spec: ModelSpec, device: torch.device, asked: str) -> None
     size = f"{parameters / 1e9:.1f}B parameters, {gigabytes:.0f} GB in {spec.dtype}"
     if asked != "cpu":
         raise UserError(f"model {spec.name} ({size}) would run on the CPU: device={asked} found no GPU here; run it "
-                        "on a GPU machine, or pass device=cpu to load it into this machine's memory anyway")
+                        f"on a GPU machine, or pass {cpu_option} to load it into this machine's memory anyway")
     logger.warning("model %s (%s) runs on the CPU: expect hours per item", spec.name, size)
 
 

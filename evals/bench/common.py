@@ -27,7 +27,7 @@ def bench_model(name: str, device: str, dtype: str | None = None) -> tuple[objec
     device=auto would put there is refused before its weights are made (`check_fits_device`)."""
     spec = model_spec(name, weights="random", **({"dtype": dtype} if dtype else {}))
     resolved = resolve_device(device)
-    check_fits_device(spec, resolved, device)
+    check_fits_device(spec, resolved, device, cpu_option="--device cpu")
     model, _ = load_model(spec, resolved)
     return model, spec, resolved
 
