@@ -16,11 +16,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from helpers import LONG_TEXTS, REPO, capped, drive_layer, generate, method_defaults, policy_of, tiny_model
+from helpers import (
+    LONG_TEXTS,
+    REPO,
+    capped,
+    drive_layer,
+    generate,
+    method_defaults,
+    policy_of,
+    synthetic_calibration,
+    tiny_model,
+)
 
 from baselines.compresskv import CompressKVPolicy, layer_budgets, srh_scores
 from baselines.vanilla import VanillaPolicy
-from evals.calibrate import layer_error, normalise, retrieval_mass, write_calibration
+from evals.calibrate import layer_error, retrieval_mass, write_calibration
 from longflow.calibration import load_calibration
 from longflow.errors import UserError
 from longflow.methods import locate
@@ -137,14 +147,6 @@ def test_only_the_selecting_heads_choose_and_every_kv_head_shares_the_choice():
     changed[:, 5] = torch.randn(rows, window, head_dim)
     assert not torch.equal(scores, srh_scores(changed, query_positions, every, keys, positions, held, heads, 0.25,
                                               5, "avgpool"))
-
-
-def synthetic_calibration(tmp_path, layers, q_heads, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    path = tmp_path / f"synthetic-{layers}x{q_heads}.pt"
-    write_calibration(path, torch.rand(layers, q_heads, generator=generator),
-                      normalise(torch.rand(layers, generator=generator) ** 3))
-    return str(path)
 
 
 def test_total_budget_on_a_model_holds_and_a_covering_budget_is_the_full_cache(tmp_path):

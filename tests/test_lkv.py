@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
-from helpers import LONG_TEXTS, capped, drive_layer, generate, tiny_model
-from safetensors.torch import load_file, save_file
+from helpers import LONG_TEXTS, capped, drive_layer, generate, lkv_weights_file, tiny_model
+from safetensors.torch import load_file
 from transformers import AttentionInterface
 
 from baselines.lkv import PARAMETERS, LKVPolicy, head_budgets, prior_parameters, slot_features, token_scores
@@ -18,22 +18,6 @@ from evals.canary.train_lkv import ATTENTION, SoftEviction, capacities, hard_top
 from longflow.cache import ATTENTION_NAME
 from longflow.errors import UserError
 from longflow.policy import PromptObservation
-
-
-def weights_file(tmp_path, layers, kv_heads, head_dim, budget_logits, w_linear=None, hidden=4, seed=0):
-    """A parameter file of the model's shape: the given shares and linear score, a random MLP when
-    `w_linear` is None (else none)."""
-    params = prior_parameters(layers, kv_heads, head_dim, hidden)
-    params["budget_logits"] = torch.as_tensor(budget_logits, dtype=torch.float32)
-    if w_linear is None:
-        generator = torch.Generator().manual_seed(seed)
-        for name in ("w_linear", "w_in", "b_in", "w_out"):
-            params[name] = torch.randn(params[name].shape, generator=generator)
-    else:
-        params["w_linear"] = torch.as_tensor(w_linear, dtype=torch.float32)
-    path = tmp_path / "lkv.safetensors"
-    save_file(params, str(path))
-    return str(path)
 
 
 def test_budgets_by_the_formula():
@@ -86,7 +70,7 @@ def test_argmin_eviction_equals_a_plain_simulation(tmp_path):
     w_linear = torch.zeros(1, kv_heads, head_dim + 2)
     w_linear[..., 0] = 1.0
     logits = [[0.0, math.log(6.5 / 9)]]
-    policy = LKVPolicy(budget, weights=weights_file(tmp_path, 1, kv_heads, head_dim, logits, w_linear))
+    policy = LKVPolicy(budget, weights=lkv_weights_file(tmp_path, 1, kv_heads, head_dim, logits, w_linear))
     pad = torch.ones(batch, length, dtype=torch.bool)
     q, k, v = (torch.randn(batch, n, length, head_dim) for n in (q_heads, kv_heads, kv_heads))
     decode = [tuple(torch.randn(batch, n, 1, head_dim) for n in (q_heads, kv_heads, kv_heads)) for _ in range(steps)]
@@ -100,7 +84,7 @@ def test_argmin_eviction_equals_a_plain_simulation(tmp_path):
 
 def test_every_head_within_its_capacity_at_every_step(tmp_path):
     model, tokenizer = tiny_model("qwen3")  # 2 layers, 2 KV heads, head dim 16
-    path = weights_file(tmp_path, 2, 2, 16, [[0.4, -0.3], [0.0, 0.2]])
+    path = lkv_weights_file(tmp_path, 2, 2, 16, [[0.4, -0.3], [0.0, 0.2]])
     made = []
 
     def factory():
@@ -134,7 +118,7 @@ def test_stored_scores_are_the_per_step_recomputation(tmp_path):
     """The score stored when a slot is written (prompt and decode tokens, across evictions) equals its
     recomputation at every later step, and the tokens are those of the recomputing rule."""
     model, tokenizer = tiny_model("qwen3")
-    path = weights_file(tmp_path, 2, 2, 16, [[0.4, -0.3], [0.0, 0.2]])
+    path = lkv_weights_file(tmp_path, 2, 2, 16, [[0.4, -0.3], [0.0, 0.2]])
     made = []
 
     def recomputed():
@@ -150,7 +134,7 @@ def test_stored_scores_are_the_per_step_recomputation(tmp_path):
 
 def test_a_file_of_another_shape(tmp_path):
     model, tokenizer = tiny_model("qwen3")
-    path = weights_file(tmp_path, 4, 2, 32, [[0.0, 0.0]] * 4)
+    path = lkv_weights_file(tmp_path, 4, 2, 32, [[0.0, 0.0]] * 4)
     with pytest.warns(UserWarning, match="using the prior"):
         generate((model, tokenizer), lambda: LKVPolicy(24, weights=path), LONG_TEXTS, max_new_tokens=4)
     with pytest.raises(UserError, match="trained for"):
@@ -207,7 +191,7 @@ def test_the_training_mask_in_its_hard_limit_is_what_the_engine_decodes(tmp_path
     """The student's forward with the hard mask, fed the engine's own greedy output under LKV, predicts
     that output token for token: the training relaxes exactly the method's selection."""
     model, tokenizer = tiny_model("qwen3")
-    path = weights_file(tmp_path, 2, 2, 16, [[0.4, -0.3], [0.0, 0.2]])
+    path = lkv_weights_file(tmp_path, 2, 2, 16, [[0.4, -0.3], [0.0, 0.2]])
     prompts, result = generate((model, tokenizer), lambda: LKVPolicy(24, weights=path), LONG_TEXTS[:1],
                                max_new_tokens=48)
     prompt_len = len(prompts[0])

@@ -117,6 +117,38 @@ def capped_policy(name: str, budget: int, **overrides):
     return capped(factory.func)(budget=budget, **factory.keywords)
 
 
+def synthetic_calibration(tmp_path: Path, layers: int, q_heads: int, seed: int = 0) -> str:
+    """A CompressKV calibration file of random head and layer scores, for a model of this shape."""
+    from evals.calibrate import normalise, write_calibration
+
+    generator = torch.Generator().manual_seed(seed)
+    path = tmp_path / f"synthetic-{layers}x{q_heads}.pt"
+    write_calibration(path, torch.rand(layers, q_heads, generator=generator),
+                      normalise(torch.rand(layers, generator=generator) ** 3))
+    return str(path)
+
+
+def lkv_weights_file(tmp_path: Path, layers: int, kv_heads: int, head_dim: int, budget_logits,
+                     w_linear=None, hidden: int = 4, seed: int = 0) -> str:
+    """An LKV parameter file of the model's shape: the given shares `[layers, Hkv]` and linear score
+    `[layers, Hkv, head_dim + 2]`, a random MLP when `w_linear` is None (else none)."""
+    from safetensors.torch import save_file
+
+    from baselines.lkv import prior_parameters
+
+    params = prior_parameters(layers, kv_heads, head_dim, hidden)
+    params["budget_logits"] = torch.as_tensor(budget_logits, dtype=torch.float32)
+    if w_linear is None:
+        generator = torch.Generator().manual_seed(seed)
+        for name in ("w_linear", "w_in", "b_in", "w_out"):
+            params[name] = torch.randn(params[name].shape, generator=generator)
+    else:
+        params["w_linear"] = torch.as_tensor(w_linear, dtype=torch.float32)
+    path = tmp_path / "lkv.safetensors"
+    save_file(params, str(path))
+    return str(path)
+
+
 def method_defaults(cls) -> dict:
     """A method's own config fields and their defaults (the base class's `budget`, `budget_scope` and
     `prefill` come from the run or the class, not from the method's yaml)."""
