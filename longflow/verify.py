@@ -170,56 +170,109 @@ def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, v
 
 
 class RowState:
-    """Every per-row piece of a policy's batch state, found by walking the policy: tensors whose
-    first dimension is the batch (the slot buffers and their per-slot states, the next slots, the
-    peak, the query rings, a method's own buffers) and host lists of one number per row (interval
-    counts). A method needs to declare nothing; a tensor that only looks per-row (its first
-    dimension happens to equal the batch) is restored to values it never changed.
+    """Every per-row piece of a policy's batch state, found by walking everything the policy holds
+    (its fields, its `BatchState`, and every list, dict and object under them, at any depth):
 
-    `save` copies all of them into preallocated buffers; `save_rows` and `restore_rows` copy some
-    rows, in place (the CUDA graph of the decode step keeps reading the same tensors).
+    - tensors whose first dimension is the batch (the slot buffers and their per-slot states, the
+      next slots, the peak, the query rings, a method's own buffers);
+    - host lists of one number per row (interval counts), wherever they sit: a field, or an entry
+      of a list or dict (CompressKV's per-layer counts are a list of such lists).
+
+    A method declares nothing, but its host state must take one of these forms: whatever else it
+    holds on the host (numbers, strings, and containers of them) is taken to be shared by the rows,
+    and `check_shared` raises when a round changed it, since no row could be rolled back through it
+    (a count of the whole batch, a per-row count in another form). A tensor that only looks per-row
+    (its first dimension happens to equal the batch) is restored to values it never changed; so is
+    a host list that only looks per-row.
+
+    `save` copies all of them into preallocated buffers (the host lists into lists); `save_rows`
+    and `restore_rows` copy some rows, in place (the CUDA graph of the decode step keeps reading the
+    same tensors). The host lists are reached by their path from the policy at every call, as a
+    method may replace a list with a new one as it decodes.
     """
 
     def __init__(self, policy: KVPolicy, batch: int):
-        self.batch = batch
+        self.policy, self.batch = policy, batch
         self.tensors: list[tuple[Any, Any]] = []  # (owner, key) of each per-row tensor
-        self.lists: list[tuple[Any, str]] = []  # (owner, attribute) of each per-row host list
-        self._walk(policy, set(), set())
+        storages: set[tuple] = set()
+        for _, owner, key, value in self._walk():
+            if isinstance(value, torch.Tensor):
+                ident = (value.data_ptr(), tuple(value.shape))
+                if value.dim() and value.shape[0] == batch and ident not in storages and not expanded(value):
+                    storages.add(ident)
+                    self.tensors.append((owner, key))
         self.saved_tensors = [self._get(owner, key).clone() for owner, key in self.tensors]
-        self.saved_lists = [list(getattr(owner, key)) for owner, key in self.lists]
+        self.save_host()
 
     @staticmethod
     def _get(owner, key):
-        return owner[key] if isinstance(owner, (list, dict)) else getattr(owner, key)
+        return owner[key] if isinstance(owner, (list, tuple, dict)) else getattr(owner, key)
 
-    def _walk(self, node, seen: set[int], storages: set[tuple]) -> None:
-        if id(node) in seen:
-            return
-        seen.add(id(node))
+    def _per_row(self, value) -> bool:
+        return isinstance(value, list) and len(value) == self.batch and set(map(type, value)) <= ROW_NUMBERS
+
+    def _walk(self, node=None, path: tuple = (), seen: set[int] | None = None):
+        """(path, owner, key, value) of everything the policy reaches, depth first, each object once
+        (by its first path). A path is the steps from the policy: a field name, or a list, tuple or
+        dict key as a 1-tuple. Entered: lists, tuples, dicts, and objects other than tensors,
+        modules, classes and callables; a per-row host list is not."""
+        node, seen = (self.policy, {id(self.policy)}) if node is None else (node, seen)
         if isinstance(node, (list, tuple)):
-            items = list(enumerate(node)) if isinstance(node, list) else []
+            items, item = list(enumerate(node)), True
         elif isinstance(node, dict):
-            items = list(node.items())
+            items, item = list(node.items()), True
         else:
-            items = list(vars(node).items())
+            items, item = list(vars(node).items()), False
         for key, value in items:
-            if isinstance(value, torch.Tensor):
-                ident = (value.data_ptr(), tuple(value.shape))
-                if value.dim() and value.shape[0] == self.batch and ident not in storages and not expanded(value):
-                    storages.add(ident)
-                    self.tensors.append((node, key))
-            elif isinstance(value, list) and len(value) == self.batch and value and all(
-                    isinstance(item, (int, float)) for item in value):
-                if not isinstance(node, (list, dict)):
-                    self.lists.append((node, key))
-            elif isinstance(value, (list, tuple, dict)) or (
-                    hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, type, Callable))):
-                self._walk(value, seen, storages)
+            if not isinstance(value, SHARED_VALUES):
+                if id(value) in seen:
+                    continue
+                seen.add(id(value))
+            step = path + ((key,) if item else key,)
+            yield step, node, key, value
+            if isinstance(value, (list, tuple, dict)) and not self._per_row(value) or (
+                    hasattr(value, "__dict__") and not isinstance(value, NOT_ENTERED)):
+                yield from self._walk(value, step, seen)
+
+    def resolve(self, path: tuple):
+        """The value at `path` from the policy (see `_walk`)."""
+        node = self.policy
+        for step in path:
+            node = node[step[0]] if isinstance(step, tuple) else getattr(node, step)
+        return node
+
+    def host_state(self) -> tuple[list[tuple], dict[tuple, Any]]:
+        """(the path of each per-row host list, {path: value} of every other host value)."""
+        lists, shared = [], {}
+        for path, _, _, value in self._walk():
+            if self._per_row(value):
+                lists.append(path)
+            elif isinstance(value, SHARED_VALUES):
+                shared[path] = value
+        return lists, shared
 
     def save(self) -> None:
         for (owner, key), saved in zip(self.tensors, self.saved_tensors, strict=True):
             saved.copy_(self._get(owner, key))
-        self.saved_lists = [list(getattr(owner, key)) for owner, key in self.lists]
+        self.save_host()
+
+    def save_host(self) -> None:
+        """The host side of `save`: the per-row host lists, found again (a method may have made new
+        ones since), copied; the shared host state noted for `check_shared`."""
+        self.lists, self.shared = self.host_state()
+        self.saved_lists = [list(self.resolve(path)) for path in self.lists]
+
+    def check_shared(self) -> None:
+        """Raises RuntimeError if the host state outside the per-row lists changed since `save`."""
+        _, now = self.host_state()
+        changed = sorted((path for path in now.keys() | self.shared.keys() if now.get(path) != self.shared.get(path)),
+                         key=path_name)
+        if changed:
+            raise RuntimeError(
+                f"{self.policy.name}: host state {', '.join(map(path_name, changed))} changed in a verify round, "
+                "but is not one number per row: VeriCache cannot roll it back per row. Keep a row's host state in a "
+                "list of one number per row (a field, or an entry of lists or dicts), or in a tensor whose first "
+                "dimension is the batch")
 
     def save_rows(self, rows: list[int]) -> None:
         self._copy_rows(rows, to_saved=True)
@@ -238,13 +291,25 @@ class RowState:
             index = indices[live.device]
             source, target = (live, saved) if to_saved else (saved, live)
             target.index_copy_(0, index, source.index_select(0, index))
-        for i, (owner, key) in enumerate(self.lists):
-            live, saved = list(getattr(owner, key)), self.saved_lists[i]
+        for path, saved in zip(self.lists, self.saved_lists, strict=True):
+            live = self.resolve(path)
             source, target = (live, saved) if to_saved else (saved, live)
             for row in rows:
                 target[row] = source[row]
-            if not to_saved:
-                setattr(owner, key, target)
+
+
+# The types of a per-row host list's entries (`IDLE`, a released row's count, is a float).
+ROW_NUMBERS = {int, float, bool}
+# The host values `RowState.check_shared` compares (containers of them are walked into).
+SHARED_VALUES = (bool, int, float, str, type(None), torch.dtype, torch.device)
+# Objects `RowState` does not walk into: a tensor is state itself; a model, a class or a function
+# (the rotary embedding) is no batch's state.
+NOT_ENTERED = (torch.Tensor, torch.nn.Module, type, Callable)
+
+
+def path_name(path: tuple) -> str:
+    """A `RowState` path as code would write it from the policy: `batch.held`, `layer_held[1]`."""
+    return "".join(f"[{step[0]!r}]" if isinstance(step, tuple) else f".{step}" for step in path).lstrip(".")
 
 
 def expanded(tensor: torch.Tensor) -> bool:
@@ -358,6 +423,7 @@ class Verifier:
             self.seconds.replay += self.step.run(1)
             self.rows.save_rows([row for row, r in enumerate(replays) if r == step + 1 < longest])
         self.rows.restore_rows([row for row, r in enumerate(replays) if r < longest])
+        self.rows.check_shared()
         state.positions.copy_(torch.where(going, self.start + accepted + 1, self.start))
         self.seconds.transfer = getattr(self.full.policy, "transfer_seconds", 0.0)
         synchronize(state.token.device)

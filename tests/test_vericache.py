@@ -1,6 +1,7 @@
 """VeriCache (`longflow.verify`): greedy output equal to the full cache's token for token, whatever the
 drafting method, on the canary and the tiny random models; per-row rounds; the compressed cache back
-in step after a round (against the method decoding the committed tokens itself); the run's
+in step after rounds (against the method decoding the committed tokens itself, for every method
+config); a round that changes host state no row can be rolled back through fails; the run's
 acceptance metrics; the config's checks and the run identity."""
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import types
 
 import pytest
 import torch
-from helpers import TEXTS, policy_of, tiny_model
+from helpers import TEXTS, lkv_weights_file, method_names, method_variants, policy_of, synthetic_calibration, tiny_model
 
+from baselines.keydiff import KeyDiffPolicy
 from evals.canary.task import CanaryTask
 from evals.configs import compose_config, model_spec
 from evals.datasets import Item
@@ -140,30 +142,63 @@ def test_a_full_cache_in_host_memory_gives_the_same_tokens():
     assert result.round_seconds.transfer > 0
 
 
-@pytest.mark.parametrize("method,budget,fields", [
-    ("h2o", 8, {}), ("keydiff", 12, {"compress_every": 4}), ("rkv", 12, {"compress_every": 4}), ("tova", 8, {}),
-    ("longflow", 8, {}), ("random_attention", 16, {"compress_every": 4}),
-    ("beaconkv", 24, {"keep_last": 4, "n_recent": 4, "n_beacons": 4, "buffer_size": 8, "keep_prompt": False}),
-])
-def test_after_its_rounds_the_compressed_cache_is_the_methods_own(method, budget, fields):
-    """The compressed cache after some rounds equals that of the method decoding the committed tokens
-    itself, one ordinary step each (rollback and replay lose nothing, per-slot and host state included)."""
+# Each method at a budget and intervals small enough that the tiny model's 53-token prompt and 30
+# outputs are compressed, several times for the interval methods (the defaults of most of them
+# would not compress before the horizon). The horizon, 5, is prime to the intervals: a host count
+# left at its drafted steps after a rollback is then off by a part of an interval, and cuts at
+# other steps (at horizon 4, an interval of 4 hid CompressKV's unrestored per-layer counts).
+AMS_SMALL = {"compress_every": 4, "window_size": 4, "min_seg_len": 2, "max_seg_len": 8, "min_keep_per_segment": 1,
+             "n_sink": 2, "always_keep_last": 4}
+ROLLBACK_SETTINGS = {
+    "vanilla": (None, {}), "h2o": (8, {}), "vatp": (16, {"n_sink": 4}), "tova": (8, {}), "longflow": (8, {}),
+    "streaming": (8, {"lf_n_sink": 4}), "keydiff": (12, {"compress_every": 4}), "rkv": (12, {"compress_every": 4}),
+    "random_attention": (16, {"compress_every": 4}), "rpc": (16, {"compress_every": 4, "window": 4}),
+    "infokv": (16, {"compress_every": 4, "window": 4}), "kara": (16, {"window": 8}),
+    "expected_attention": (16, {"compress_every": 4, "n_queries": 8, "n_sink": 2}),
+    "beaconkv": (24, {"keep_last": 4, "n_recent": 4, "n_beacons": 4, "buffer_size": 8, "keep_prompt": False}),
+    "compresskv": (32, {"min_layer_budget": 8, "compress_every": 4}),  # + a calibration file of the model
+    "lkv": (12, {}),  # + a weights file of the model
+    **{name: (16, AMS_SMALL) for name in ("ams_tova", "ams_keydiff", "ams_rkv", "ams_longflow",
+                                          "ams_expected_attention")},
+}
+
+
+def test_every_method_config_has_rollback_settings():
+    assert set(ROLLBACK_SETTINGS) == set(method_names())
+
+
+@pytest.mark.parametrize("method,variant", [*method_variants(), ("vanilla", None)])
+def test_after_its_rounds_the_compressed_cache_is_the_methods_own(method, variant, tmp_path):
+    """The compressed cache after rounds that committed 30 tokens equals that of the method decoding
+    the committed tokens itself, one ordinary step each (rollback and replay lose nothing): slots,
+    per-slot states and every host value the policy holds (its per-row counts included)."""
     model, tokenizer, prompts = tiny("qwen3")
-    prompt = prompts[2]
-    generation = GenerationConfig(max_new_tokens=40, ignore_eos=True)
-    engine = engine_of(model, tokenizer, lambda: policy_of(method, budget, **fields), verified(4))
+    config = model.config
+    budget, fields = ROLLBACK_SETTINGS[method]
+    fields = {**fields, **({} if variant is None else {"variant": variant})}
+    if method == "compresskv":
+        fields["calibration"] = synthetic_calibration(tmp_path, config.num_hidden_layers,
+                                                      config.num_attention_heads)
+    if method == "lkv":
+        logits = torch.randn(config.num_hidden_layers, config.num_key_value_heads,
+                             generator=torch.Generator().manual_seed(0))
+        fields["weights"] = lkv_weights_file(tmp_path, config.num_hidden_layers, config.num_key_value_heads,
+                                             config.head_dim, logits)
+    prompt, horizon, limit = prompts[2], 5, 40
+    generation = GenerationConfig(max_new_tokens=limit, ignore_eos=True)
+    engine = engine_of(model, tokenizer, lambda: policy_of(method, budget, **fields), verified(horizon))
     input_ids, pad = engine.batch_inputs([prompt])
     cache = engine.new_cache(engine.policy_factory, 1, pad.shape[1], generation)
     full = engine.new_full_cache(1, pad.shape[1], generation)
-    state = DecodeState(1, 40, engine.vocab, [0], engine.pad_id, engine.device, track_seen=False)
+    state = DecodeState(1, limit, engine.vocab, [0], engine.pad_id, engine.device, track_seen=False)
     engine.prefill(cache, state, input_ids, pad, generation, full)
     verifier = engine.verifier(cache, full, state, generation)
-    for _ in range(5):
+    while int(state.step) < 30:
         verifier.run_round()
     committed = state.out[0, :int(state.step)].tolist()
 
     own = engine.new_cache(engine.policy_factory, 1, pad.shape[1], generation)
-    forced = DecodeState(1, 40, engine.vocab, [0], engine.pad_id, engine.device, track_seen=False)
+    forced = DecodeState(1, limit, engine.vocab, [0], engine.pad_id, engine.device, track_seen=False)
     engine.prefill(own, forced, input_ids, pad, generation)
     for step, token in enumerate(committed[:-1]):
         own.policy.before_step(step)
@@ -171,11 +206,41 @@ def test_after_its_rounds_the_compressed_cache_is_the_methods_own(method, budget
         engine.decode_one_token(own, forced, generation)
         own.policy.after_step(step)
     assert int(forced.positions) == int(state.positions)
+    if budget is not None:  # some rounds rolled back and the method evicted: the comparison covers both
+        assert int(verifier.accepted[0, :horizon].sum()) > 0
+        assert max(int(slots.valid.sum(dim=-1).max()) for slots in own.policy.layers) < len(prompt) + len(committed) - 1
     for mine, theirs in zip(cache.policy.layers, own.policy.layers, strict=True):
         assert torch.equal(mine.positions, theirs.positions) and torch.equal(mine.valid, theirs.valid)
         torch.testing.assert_close(mine.keys, theirs.keys)
         for name in mine.state:
             torch.testing.assert_close(mine.state[name], theirs.state[name])
+    verified_rows, own_rows = verifier.rows, RowState(own.policy, 1)
+    (lists, shared), (own_lists, own_shared) = verified_rows.host_state(), own_rows.host_state()
+    assert lists == own_lists and shared == own_shared
+    assert [verified_rows.resolve(path) for path in lists] == [own_rows.resolve(path) for path in lists]
+
+
+@pytest.mark.parametrize("count", ["of the batch", "per row in a dict"])
+def test_host_state_no_row_can_be_rolled_back_through_fails_the_round(count):
+    """A count the rows share, or a per-row count in a form RowState does not restore, changes in a
+    round: the round raises, naming it, rather than decode with counts that kept the drafted steps."""
+
+    class Counting(KeyDiffPolicy):
+        def begin_decode(self, positions):
+            super().begin_decode(positions)
+            self.steps = 0 if count == "of the batch" else dict.fromkeys(range(self.spec.batch), 0)
+
+        def after_step(self, step):
+            super().after_step(step)
+            if count == "of the batch":
+                self.steps += 1
+            else:
+                self.steps.update((row, n + 1) for row, n in self.steps.items())
+
+    model, tokenizer, prompts = tiny("qwen3")
+    engine = engine_of(model, tokenizer, lambda: Counting(12, compress_every=4), verified(4))
+    with pytest.raises(RuntimeError, match="keydiff: host state steps.* changed in a verify round"):
+        engine.generate(prompts, GenerationConfig(max_new_tokens=12, ignore_eos=True), [0] * 3)
 
 
 def test_row_state_restores_chosen_rows_only():
