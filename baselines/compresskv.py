@@ -26,10 +26,10 @@ both named here as such:
   - decode (A): the cache of each layer grows to b_l, then is cut to b_l - `compress_every`
     (128, shrunk to a quarter of b_l for a small layer) by the same selection, with the last
     `window` decode queries: the interval schedule of every interval method here;
-  - a layer never gets more than the padded prompt + max_new_tokens slots (more could never be
-    used), and a budget that may hold a whole sequence (more than that minus the prompt padding
-    `ALIGN`) gives every layer the budget: so a budget that covers the sequence decodes as the full
-    cache, which the official per-layer budgets (a low-error layer below the prompt) would not.
+  - a budget above max_new_tokens gives every layer the budget: it covers the whole sequence of a
+    row whose prompt is short enough, which must then decode as the full cache (the official
+    per-layer budgets put a low-error layer below it), and the capacities, shared by a batch's
+    rows, come from the run's settings only, so that no row's depend on its batch-mates.
 
 Calibration file (`calibration`, made by `python -m evals.calibrate`): `head_scores` `[L, Hq]`
 (semantic retrieval score per query head; the ranking is their descending order) and
@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from longflow.calibration import check_shape, load_calibration
 from longflow.errors import UserError
-from longflow.policy import ALIGN, IDLE, CacheSpec, KVPolicy, Observation, shrink_interval
+from longflow.policy import IDLE, CacheSpec, KVPolicy, Observation, shrink_interval
 from longflow.selection import choose_keep
 
 POOLINGS = ("avgpool", "maxpool")
@@ -165,14 +165,18 @@ class CompressKVPolicy(KVPolicy):
                           for slots in self.capacities]
 
     def budgets(self, spec: CacheSpec, scores: list[float] | None) -> list[int]:
-        """Slots per layer: `layer_budgets` under `budget_scope: total` with a calibration file, else the budget."""
+        """Slots per layer: `layer_budgets` under `budget_scope: total` with a calibration file, else the
+        budget; the budget too when it exceeds max_new_tokens. From the run's settings only, never the
+        batch's prompts: a row decodes as it would alone."""
         budget = super().capacity(spec)
-        most = spec.prompt_len + spec.max_new_tokens  # the most slots a row of this batch can hold
-        if scores is None or self.budget_scope == "per_layer" or budget > most - ALIGN:
+        # A budget above max_new_tokens covers every row whose prompt is short enough, which must then
+        # hold its whole sequence (up to budget - 1 slots) in every layer: within L x budget slots only
+        # uniform capacities can, and capacities are the batch's, so every row of such a run gets them.
+        if scores is None or self.budget_scope == "per_layer" or budget > spec.max_new_tokens:
             return [budget] * spec.layers
-        high = min(int(self.max_layer_ratio * budget), most)
         # A budget below the minimum: the minimum is the budget (the total must hold).
-        return layer_budgets(scores, budget * spec.layers, min(self.min_layer_budget, budget, high), high)
+        return layer_budgets(scores, budget * spec.layers, min(self.min_layer_budget, budget),
+                             int(self.max_layer_ratio * budget))
 
     def layer_capacities(self, spec: CacheSpec) -> list[int]:
         return list(self.capacities)

@@ -32,8 +32,11 @@ from baselines.compresskv import CompressKVPolicy, layer_budgets, srh_scores
 from baselines.vanilla import VanillaPolicy
 from evals.calibrate import layer_error, retrieval_mass, write_calibration
 from longflow.calibration import load_calibration
+from longflow.config import EngineConfig, GenerationConfig
+from longflow.engine import Engine
 from longflow.errors import UserError
 from longflow.methods import locate
+from longflow.models import eos_token_ids
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*leaves no room:UserWarning")
 
@@ -169,6 +172,62 @@ def test_total_budget_on_a_model_holds_and_a_covering_budget_is_the_full_cache(t
     budget = max(len(tiny[1](t)["input_ids"]) for t in texts) + 24
     _, result = generate(tiny, lambda: CompressKVPolicy(budget, calibration=calibration), texts, max_new_tokens=24)
     assert result.tokens == full.tokens
+
+
+SHORT = "What is 2 + 3? Answer briefly."  # 30 tokens on the tiny models
+LONG = "Compute the sum of the first ten odd numbers, please, and then explain each step in detail to me now."  # 101
+
+
+def skewed_calibration(tmp_path, config) -> str:
+    """Layer scores 0.9 and 0.1: at a budget of 64, layer 0's is 102 slots, more than the short
+    prompt's padded length + 64 new tokens (96), so a cap by that length would bind alone, not batched."""
+    path = tmp_path / "skewed.pt"
+    generator = torch.Generator().manual_seed(0)
+    write_calibration(path, torch.rand(config.num_hidden_layers, config.num_attention_heads, generator=generator),
+                      torch.tensor([0.9, 0.1]))
+    return str(path)
+
+
+def test_a_rows_capacities_and_tokens_do_not_depend_on_its_batch_mates(tmp_path):
+    """The short prompt alone, batched with the long one, and served from a queue with it (rows
+    allocated for the queue's longest prompt): the same layer capacities, the official allocation,
+    and the same tokens."""
+    model, tokenizer = tiny_model("qwen3")
+    calibration = skewed_calibration(tmp_path, model.config)
+    made = []
+
+    def factory():
+        made.append(CompressKVPolicy(64, calibration=calibration, min_layer_budget=16, compress_every=8))
+        return made[-1]
+
+    prompts = [tokenizer(text)["input_ids"] for text in (SHORT, LONG)]
+    generation = GenerationConfig(max_new_tokens=64, ignore_eos=True)
+    eos = eos_token_ids(model, tokenizer)
+    engine = Engine(model, factory, eos, tokenizer.pad_token_id)
+    alone = engine.generate(prompts[:1], generation, [0])
+    assert [slots.slots for slots in made[-1].layers] == [102, 26]
+    paired = engine.generate(prompts, generation, [0, 0])
+    assert [slots.slots for slots in made[-1].layers] == [102, 26]
+    serving = Engine(model, factory, eos, tokenizer.pad_token_id, EngineConfig(batch_size=1))
+    served = {s.index: s.tokens for round_ in serving.serve(prompts, generation, [0, 0]) for s in round_.finished}
+    assert all([slots.slots for slots in policy.layers] == [102, 26] for policy in made)
+    assert paired.tokens[0] == alone.tokens[0] == served[0]
+    assert max(paired.peak_slots) > 64  # layer 0 held more than the budget: the allocation is not uniform
+
+
+def test_a_budget_covering_a_row_decodes_it_as_the_full_cache_beside_a_row_it_does_not_cover(tmp_path):
+    """The budget is the short prompt + max_new_tokens; the long prompt alone exceeds it."""
+    model, tokenizer = tiny_model("qwen3")
+    calibration = skewed_calibration(tmp_path, model.config)
+    prompts = [tokenizer(text)["input_ids"] for text in (SHORT, LONG)]
+    generation = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+    budget = len(prompts[0]) + 40
+    assert len(prompts[1]) > budget
+    eos = eos_token_ids(model, tokenizer)
+    full = Engine(model, VanillaPolicy, eos, tokenizer.pad_token_id).generate(prompts, generation, [0, 0])
+    engine = Engine(model, lambda: CompressKVPolicy(budget, calibration=calibration), eos, tokenizer.pad_token_id)
+    for batch in (prompts, prompts[:1]):
+        assert engine.generate(batch, generation, [0] * len(batch)).tokens[0] == full.tokens[0]
 
 
 def test_a_calibration_file_for_another_model_is_one_user_error(tmp_path):
