@@ -366,7 +366,8 @@ def run_dataset(job: Job, setup: Setup, engine, tokenizer, results_dir: Path, co
             raise Interrupted(run.path, len(run.generations())) from None  # what the file holds
         metrics = run.commit([], None, metrics_of)
     every = " (every shard's)" if setup.shard else ""
-    print(f"{run.path}: accuracy {fmt(metrics['accuracy'])} over {metrics['n_items']} items{every}, "
+    accuracy = "n/a" if metrics["accuracy"] is None else f"{100 * metrics['accuracy']:.1f}%"  # as the tables write it
+    print(f"{run.path}: accuracy {accuracy} over {metrics['n_items']} items{every}, "
           f"{fmt(metrics['tokens_per_second'])} tok/s, peak KV slots {metrics['peak_kv_slots']}")
     if "fidelity" in metrics:
         summary = metrics["fidelity"]
