@@ -33,7 +33,13 @@ def inductor_options(model, options: dict):
     """`model` compiled afresh (Dynamo reset, its compiled forwards dropped) by `torch.compile` as
     `longflow.compile` calls it, with `options` instead of its own, into a fresh cache directory: on
     the H200 (torch 2.11) a warm cache gave `prologue_fusion` and `epilogue_fusion` the kernels an
-    earlier setting had compiled (docs/engine.md)."""
+    earlier setting had compiled (docs/engine.md).
+
+    The options are also Inductor's global config for the block: some are read before Inductor
+    compiles, where `torch.compile`'s `options` do not reach. Dynamo keeps the parameters as graph
+    attributes, which freezing turns into constants, only while `freezing` is set globally; given
+    as an option alone, freezing ran with no parameter to fold (none of the 326 calls out changed at
+    batch 128) and concatenated nothing."""
     torch._dynamo.reset()
     model.longflow_compiled_forwards = {}
     compile_ = torch.compile
@@ -43,7 +49,7 @@ def inductor_options(model, options: dict):
 
     longflow.compile.torch.compile = with_options
     try:
-        with fresh_cache():
+        with fresh_cache(), torch._inductor.config.patch(options):
             yield
     finally:
         longflow.compile.torch.compile = compile_
@@ -79,7 +85,8 @@ def main() -> None:
                 again = time_engine(model, method, args.budget, prompts, args.new, True, "tuned")
             print(json.dumps({"options": options, "method": method, "batch": args.batch,
                               "step_ms_p50": round(first["step_ms_p50"], 3), "again": round(again["step_ms_p50"], 3),
-                              "compile_s": round(first["compile_s"], 1), "extern_calls": extern_calls}), flush=True)
+                              "compile_s": round(first["compile_s"], 1), "extern_calls": extern_calls,
+                              "peak_memory_gb": round(again["peak_memory_gb"], 2)}), flush=True)
 
 
 if __name__ == "__main__":
