@@ -28,7 +28,10 @@ eagerly before capturing its graph; Inductor's default mode, since the engine ow
 With `tuning` (the engine's default at a batch of one), Inductor's coordinate-descent tuning: at
 M = 1 Inductor then lowers each matmul to a Triton reduction of its own, fused with the norm before
 it or the activation and residual after it (gpt-fast's setting); at larger batches the matmuls stay
-cuBLAS's and tuning measured nothing (docs/engine.md).
+cuBLAS's and tuning measured nothing (docs/engine.md). Tuning also turns on Inductor's combo
+kernels, which launch independent kernels of a layer (its projections' reductions) as one: at a
+batch of one the step is a few hundred kernels of a few microseconds each, whose ramps and tails
+the combined launches share (4% of the step on the H200; at batch 128, none).
 
 Prefill (`compiled_forward(model, prompt=True)`, `engine.compile_prefill`): the prompt forward of a batch or of an
 admission. Its rows and prompt length are dynamic from the first call (`maybe_mark_dynamic`), so
@@ -58,6 +61,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from longflow.policy import KVPolicy
 
 logger = logging.getLogger(__name__)
+
+# Inductor's options with `tuning` (see the module's docstring and docs/engine.md for their figures).
+TUNING_OPTIONS = {"coordinate_descent_tuning": True, "combo_kernels": True}
 
 _instances = itertools.count()  # a fresh op name per `CompiledForward`
 
@@ -116,7 +122,8 @@ class OpaqueCache(Cache):
 class CompiledForward:
     """The model's forward, compiled; called with the model's own keyword arguments.
 
-    `tuning`: Inductor's coordinate-descent tuning (`EngineConfig.compile_tuning`). `prompt`: for
+    `tuning`: Inductor's coordinate-descent tuning and combo kernels (`TUNING_OPTIONS`,
+    `EngineConfig.compile_tuning`). `prompt`: for
     prompt forwards, whose rows and length are marked dynamic at every call (see the module's
     docstring). `active`: the policy of the call in progress, which its op runs (None between calls).
     `compile_seconds`: wall time of the calls that compiled (tracing, Inductor, the first run's
@@ -132,7 +139,7 @@ class CompiledForward:
                                  policy_attention_op(f"policy_attention_{next(_instances)}", self.running))
         self.tuning = tuning
         self.prompt = prompt
-        options = {"coordinate_descent_tuning": True} if tuning else None
+        options = TUNING_OPTIONS if tuning else None
         # Dynamo keeps compiled graphs, and counts recompilations against `recompile_limit` (8), per
         # code object. Every instance shared `_forward`'s: the graphs of every model, batch size and
         # tuning in the process added up, and past the limit a fullgraph compile raises

@@ -103,7 +103,9 @@ class EngineConfig:
     `compile_tuning`: Inductor's coordinate-descent tuning of its generated kernels (gpt-fast's
     setting). At a batch of one it also turns the matrix-vector products into Triton reductions
     fused with the ops around them, instead of cuBLAS calls; at larger batches the matmuls stay
-    cuBLAS's. Compiling takes about 30 s longer. None (default): on when `batch_size` is 1.
+    cuBLAS's. With it, Inductor's combo kernels (independent kernels launched as one;
+    `longflow.compile.TUNING_OPTIONS`). Compiling takes about 30 s longer. None (default): on when
+    `batch_size` is 1.
     `compile_prefill`: the prompt forwards (a static batch's prefill, continuous batching's
     admissions) through `torch.compile` too, on a GPU only, one graph for every prompt length and
     number of rows above one (`longflow.compile`). It removes the eager forward's per-op launches
