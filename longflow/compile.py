@@ -31,7 +31,7 @@ it or the activation and residual after it (gpt-fast's setting); at larger batch
 cuBLAS's and tuning measured nothing (docs/engine.md). Tuning also turns on Inductor's combo
 kernels, which launch independent kernels of a layer (its projections' reductions) as one: at a
 batch of one the step is a few hundred kernels of a few microseconds each, whose ramps and tails
-the combined launches share (4% of the step on the H200; at batch 128, none).
+the combined launches share (4-7% of the step on the H200; at batch 128, nothing).
 
 Prefill (`compiled_forward(model, prompt=True)`, `engine.compile_prefill`): the prompt forward of a batch or of an
 admission. Its rows and prompt length are dynamic from the first call (`maybe_mark_dynamic`), so
