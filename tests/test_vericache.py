@@ -358,14 +358,14 @@ def test_runs_store_acceptance_and_the_reports_show_it(tmp_path):
     """`python -m evals.run ... verify=vericache` end to end (continuous batching, the default), the
     vanilla run's text, then `--metric accepted_per_round` in the table and the acceptance figure."""
     from evals.pipeline import evaluate
-    from evals.report.figures import plot_acceptance
+    from evals.report.figures import acceptance_figure, plot_acceptance, table_points
     from evals.report.runs import collect
-    from evals.report.table import build_table
+    from evals.report.table import build_table, write_table
 
     base = ["model=canary", "dataset=canary", "limit=2", "device=cpu", "generation.max_new_tokens=40",
             f"results_dir={tmp_path}"]
     full = evaluate(compose_config([*base, "method=vanilla"]))[0]
-    outputs = {}
+    outputs, accepted = {}, {}
     for method, budget in (("h2o", 32), ("h2o", 96), ("streaming", 32)):
         metrics = evaluate(compose_config([*base, f"method={method}", f"budget={budget}", "verify=vericache",
                                               "verify.horizon=8"]))[0]
@@ -373,6 +373,7 @@ def test_runs_store_acceptance_and_the_reports_show_it(tmp_path):
         assert metrics["verify_rounds"] == sum(metrics["accepted_histogram"]) > 0
         assert 0 < metrics["compressed_only_share"] < 1 and 0 <= metrics["accepted_per_round"] <= 8
         outputs[method, budget] = (tmp_path / metrics["run_id"] / "generations.jsonl").read_text()
+        accepted[method, budget] = metrics["accepted_per_round"]
     reference = (tmp_path / full["run_id"] / "generations.jsonl").read_text()
     texts = [sorted((r["id"], r["output"]) for r in map(__import__("json").loads, lines.splitlines()))
              for lines in (reference, *outputs.values())]
@@ -382,3 +383,11 @@ def test_runs_store_acceptance_and_the_reports_show_it(tmp_path):
     assert {"H2O + VeriCache", "StreamingLLM + VeriCache"} <= set(table.values.index.get_level_values("Method"))
     png, pdf = plot_acceptance(runs, tmp_path / "figures")
     assert png.read_bytes().startswith(b"\x89PNG") and pdf.read_bytes().startswith(b"%PDF")
+    # The same figure drawn from the table's CSV alone (`--table`): the runs' own figures, line by line.
+    write_table(table, tmp_path / "acceptance")
+    figure = acceptance_figure(table_points(tmp_path / "acceptance.csv"), [8.0])
+    lines = {line.get_label(): ([float(x) for x in line.get_xdata()], [float(y) for y in line.get_ydata()])
+             for line in figure.axes[0].lines}
+    assert lines["H2O + VeriCache"] == ([32.0, 96.0], pytest.approx([accepted["h2o", 32], accepted["h2o", 96]]))
+    assert lines["StreamingLLM + VeriCache"] == ([32.0], pytest.approx([accepted["streaming", 32]]))
+    assert ([0.0, 1.0], [8.0, 8.0]) in lines.values()  # the horizon, across the panel

@@ -34,6 +34,12 @@ of `--metric` (accuracy; `--recall` for dependency recall) as a method x dataset
 budget, the best of each column boxed and, with `--bootstrap B`, the cells that cannot be told from
 it marked.
 
+`acceptance` (drawn by default when runs verify, `verify=vericache`): `vericache_acceptance.png|pdf`,
+the drafts accepted per verify round against the budget. With `--table FILE.csv` (and `--horizon
+H`) it draws the cells of a table's CSV (`evals.report.table --metric accepted_per_round`) instead
+of runs: for a committed table whose runs are not at hand, or whose cells were edited after it was
+written.
+
 Every figure is written as PNG and PDF. A method is drawn in its family's colour, with a marker of
 its own and a line style per variant (`evals.report.palette`: AMS over X in X's colour, dashed).
 Legends sit outside the panels and the figure grows to hold them.
@@ -61,7 +67,7 @@ from matplotlib.patches import Patch
 
 from evals.metrics import FIDELITY_THRESHOLD, FIDELITY_WINDOW, trailing_mean
 from evals.report.console import show
-from evals.report.names import DEFAULT_VARIANT, model_size
+from evals.report.names import DEFAULT_VARIANT, model_size, parse_method_label
 from evals.report.palette import Style, styles
 from evals.report.runs import REFERENCE, add_filters, item_ids, items_sort_key, keep_newest, label, load
 from evals.report.stats import SEED
@@ -657,18 +663,61 @@ def plot_acceptance(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
         raise UserError("no run with verify=vericache to plot")
     runs = prepare(runs[runs["verify"] == "vericache"])
     runs["accepted_per_round"] = pd.to_numeric(runs["accepted_per_round"], errors="coerce")
-    cells = list(runs[["model_label", "items"]].drop_duplicates().itertuples(index=False, name=None))
-    palette = series_styles(runs)
+    horizons = [float(h) for h in runs["verify_horizon"].dropna().unique()]
+    return save(acceptance_figure(runs, horizons), Path(out_dir) / "vericache_acceptance.png")
+
+
+def acceptance_figure(points: pd.DataFrame, horizons: list[float]) -> Figure:
+    """`plot_acceptance`'s figure of `points` (`model_label`, `items`, `series`, `method`, `budget`,
+    `accepted_per_round`, `complete`, as `prepare` makes them), a dotted line at each horizon."""
+    cells = list(points[["model_label", "items"]].drop_duplicates().itertuples(index=False, name=None))
+    palette = series_styles(points)
     figure, axes = new_figure(1, len(cells), sharey=True)
     for ax, (model, items) in zip(axes[0], cells, strict=True):
-        draw_lines(ax, runs[(runs["model_label"] == model) & (runs["items"] == items)], "accepted_per_round", palette)
-        for horizon in runs["verify_horizon"].dropna().unique():
-            ax.axhline(float(horizon), color=REFERENCE_COLOR, linestyle=":", linewidth=1.0)
+        draw_lines(ax, points[(points["model_label"] == model) & (points["items"] == items)], "accepted_per_round",
+                   palette)
+        for horizon in horizons:
+            ax.axhline(horizon, color=REFERENCE_COLOR, linestyle=":", linewidth=1.0)
         ax.set_title(f"{model}: {items}", fontsize=10)
         ax.set_ylabel("accepted drafts per verify round")
         ax.set_ylim(bottom=0)
-    add_legend(figure, runs)
-    return save(figure, Path(out_dir) / "vericache_acceptance.png")
+    add_legend(figure, points)
+    return figure
+
+
+TABLE_KEYS = ("Model", "Budget", "Method")
+
+
+def table_points(path: Path) -> pd.DataFrame:
+    """The cells of a table's CSV (`evals.report.table`'s `--out`), as `acceptance_figure`'s points:
+    a point per (model, item-set column, method row), its method and variant read back from the row's
+    label (`evals.report.names.parse_method_label`), incomplete where the row's `Partial` names the
+    column. For a table whose runs are not at hand, or whose cells were edited after it was written;
+    the averages and any standard-error or interval columns are left out."""
+    try:
+        table = pd.read_csv(path, dtype={"Partial": str, "Dirty": str}, keep_default_na=False,
+                            na_values=[""])
+    except FileNotFoundError as error:
+        raise UserError(f"--table: no such file {path}") from error
+    missing = [key for key in (*TABLE_KEYS, "Partial") if key not in table]
+    if missing:
+        raise UserError(f"--table: {path} is not a table's CSV (no {', '.join(missing)} column)")
+    derived = (" SE", " vs ", " low", " high")
+    columns = [c for c in table.columns
+               if c not in (*TABLE_KEYS, "Partial", "Dirty", "Avg.") and not any(d in c for d in derived)]
+    records = []
+    for _, row in table.iterrows():
+        method, variant, mode, _ = parse_method_label(row["Method"])
+        partial = set(str(row["Partial"]).split("; ")) if pd.notna(row["Partial"]) else set()
+        for column in columns:
+            records.append({"model_label": row["Model"], "items": column, "series": row["Method"], "method": method,
+                            "variant": variant, "budget_mode": mode, "budget": row["Budget"],
+                            "accepted_per_round": row[column], "complete": column not in partial})
+    points = pd.DataFrame(records)
+    points["budget"] = pd.to_numeric(points["budget"], errors="coerce")
+    points["accepted_per_round"] = pd.to_numeric(points["accepted_per_round"], errors="coerce")
+    return points
+
 
 def plot_runs(runs: pd.DataFrame, args: argparse.Namespace) -> list[Path]:
     """The figures `--only` asks for (all but sizes and heatmap by default) of the loaded runs."""
@@ -697,9 +746,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=SEED, help="the bootstrap's seed (as evals.report.table's)")
     parser.add_argument("--recall", type=Path, nargs="+", metavar="FILE.csv",
                         help="the heatmap of evals.canary.recall's CSV (--metric recall_layers, ...)")
+    parser.add_argument("--table", type=Path, metavar="FILE.csv",
+                        help="with --only acceptance: draw the cells of this table's CSV (evals.report.table "
+                             "--metric accepted_per_round) instead of runs")
+    parser.add_argument("--horizon", type=float,
+                        help="with --table: the verifier's horizon, drawn as a dotted line (a table does not hold it)")
     args = parser.parse_args(argv)
+    if args.table is not None and args.only != "acceptance":
+        parser.error("--table draws only --only acceptance")
+    if args.horizon is not None and args.table is None:
+        parser.error("--horizon goes with --table (runs hold their own)")
     try:
-        paths = plot_table_heatmap(args) if args.only == "heatmap" else plot_runs(load(args), args)
+        if args.table is not None:
+            figure = acceptance_figure(table_points(args.table), [] if args.horizon is None else [args.horizon])
+            paths = save(figure, args.out / "vericache_acceptance.png")
+        elif args.only == "heatmap":
+            paths = plot_table_heatmap(args)
+        else:
+            paths = plot_runs(load(args), args)
     except UserError as error:
         return report(error)
     show("\n".join(map(str, paths)))

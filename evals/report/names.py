@@ -64,6 +64,30 @@ def method_label(method: str, variant: str, budget_mode: str | None = None) -> s
     return f"{name} ({', '.join(marks)})" if marks else name
 
 
+def parse_method_label(label: str) -> tuple[str, str, str | None, str | None]:
+    """The inverse of the labels tables print (`method_label`, and runs.label's " + <verifier>"):
+    (method, variant, budget mode, verify), the method's config name where its display name is
+    known, else the label's name as it is (before its last parentheses). Of the marks in
+    parentheses, the first is the variant and a second the budget mode; a lone mark is read as the
+    variant (a label does not say which)."""
+    verify = None
+    for key, name in VERIFY_NAMES.items():
+        if label.endswith(f" + {name}"):
+            label, verify = label[: -len(f" + {name}")], key
+    # The longest display name first: "AMS (TOVA)" is a name, "R-KV (lf_repo)" a name and a mark.
+    for method, name in sorted(METHOD_NAMES.items(), key=lambda item: -len(item[1])):
+        if label == name:
+            return method, DEFAULT_VARIANT, None, verify
+        if label.startswith(f"{name} (") and label.endswith(")"):
+            marks = label[len(name) + 2: -1].split(", ")
+            return method, marks[0], (marks[1] if len(marks) > 1 else None), verify
+    name, opening, marks = label.rpartition(" (")
+    if opening and marks.endswith(")"):
+        marks = marks[:-1].split(", ")
+        return name, marks[0], (marks[1] if len(marks) > 1 else None), verify
+    return label, DEFAULT_VARIANT, None, verify
+
+
 def model_name(key: str) -> str:
     return MODEL_NAMES.get(key, key)
 
