@@ -4,7 +4,11 @@
         '{"coordinate_descent_tuning": true}' '{"max_autotune": true, "coordinate_descent_tuning": true}' \
         '{"max_autotune": true}'
 
-`engine.compile_tuning` chooses between two option sets (`longflow.compile`); this benchmark times
+    python -m evals.bench.compile_options --batch 1 --methods vanilla \
+        '{"coordinate_descent_tuning": true, "combo_kernels": true}' '{"coordinate_descent_tuning": true}'
+
+`engine.compile_tuning` chooses between two option sets (`longflow.compile`: Inductor's defaults, or
+`TUNING_OPTIONS`, the second command's first set); this benchmark times
 the step with any `torch.compile` options given as JSON, one after another on one model (Qwen3-8B
 shapes, random weights, prompt 512, `--new` tokens, CUDA graphs): each set compiles afresh (Dynamo
 reset, the model's compiled forward dropped), and is timed twice, the second run after the first
