@@ -164,3 +164,34 @@ def test_every_figure_is_png_and_pdf(tmp_path, capsys):
     stems = {p.stem for p in printed}
     assert {p.suffix for p in printed} == {".png", ".pdf"} and len(printed) == 2 * len(stems)
     assert all(is_figure(p) for p in printed)
+
+
+def test_acceptance_from_a_table_csv_keeps_its_cells_and_marks(tmp_path, capsys):
+    """`--only acceptance --table`: a point per (method row, item-set column) of the CSV as written, the
+    standard errors, intervals and average left out, a cell that `Partial` names drawn hollow."""
+    from evals.report.figures import table_points
+
+    csv = tmp_path / "acceptance.csv"
+    csv.write_text(
+        "Model,Budget,Method,canary (200),canary (200) SE,canary (200) vs FullKV,canary (200) vs FullKV low,"
+        "state (20),Avg.,Partial,Dirty\n"
+        "canary,96,H2O + VeriCache,15.25,0.4,-1.0,-2.0,9.5,12.375,state (20),\n"
+        "canary,192,H2O + VeriCache,23.0,0.3,-0.5,-1.0,11.0,17.0,,\n"
+        "canary,96,AMS (TOVA) + VeriCache,11.5,0.5,-2.0,-3.0,7.0,9.25,,\n")
+    points = table_points(csv)
+    assert sorted(points["items"].unique()) == ["canary (200)", "state (20)"]
+    cells = {(row.series, row.budget, row.items): (row.accepted_per_round, row.complete) for row in points.itertuples()}
+    assert cells == {("H2O + VeriCache", 96, "canary (200)"): (15.25, True),
+                     ("H2O + VeriCache", 96, "state (20)"): (9.5, False),
+                     ("H2O + VeriCache", 192, "canary (200)"): (23.0, True),
+                     ("H2O + VeriCache", 192, "state (20)"): (11.0, True),
+                     ("AMS (TOVA) + VeriCache", 96, "canary (200)"): (11.5, True),
+                     ("AMS (TOVA) + VeriCache", 96, "state (20)"): (7.0, True)}
+    assert set(zip(points["series"], points["method"])) == {("H2O + VeriCache", "h2o"),
+                                                            ("AMS (TOVA) + VeriCache", "ams_tova")}
+    assert main(["--only", "acceptance", "--table", str(csv), "--horizon", "25", "--out", str(tmp_path)]) == 0
+    assert is_figure(tmp_path / "vericache_acceptance.png")
+    assert is_figure(tmp_path / "vericache_acceptance.pdf")
+    with pytest.raises(SystemExit):
+        main(["--only", "sweep", "--table", str(csv)])
+    assert main(["--only", "acceptance", "--table", str(tmp_path / "none.csv")]) == 2

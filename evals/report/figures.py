@@ -71,6 +71,7 @@ from evals.report.names import DEFAULT_VARIANT, model_size, parse_method_label
 from evals.report.palette import Style, styles
 from evals.report.runs import REFERENCE, add_filters, item_ids, items_sort_key, keep_newest, label, load
 from evals.report.stats import SEED
+from evals.report.table import AVG
 from evals.store import FIDELITY, GENERATIONS, in_scope, peek_records, planned_items
 from longflow.errors import UserError, report
 
@@ -702,9 +703,9 @@ def table_points(path: Path) -> pd.DataFrame:
     missing = [key for key in (*TABLE_KEYS, "Partial") if key not in table]
     if missing:
         raise UserError(f"--table: {path} is not a table's CSV (no {', '.join(missing)} column)")
-    derived = (" SE", " vs ", " low", " high")
+    # `table_csv`'s other columns: "<column> SE", and the intervals "<column> vs FullKV|best[ low| high]".
     columns = [c for c in table.columns
-               if c not in (*TABLE_KEYS, "Partial", "Dirty", "Avg.") and not any(d in c for d in derived)]
+               if c not in (*TABLE_KEYS, "Partial", "Dirty", AVG) and not c.endswith(" SE") and " vs " not in c]
     records = []
     for _, row in table.iterrows():
         method, variant, mode, _ = parse_method_label(row["Method"])
