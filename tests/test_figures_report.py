@@ -187,8 +187,8 @@ def test_acceptance_from_a_table_csv_keeps_its_cells_and_marks(tmp_path, capsys)
                      ("H2O + VeriCache", 192, "state (20)"): (11.0, True),
                      ("AMS (TOVA) + VeriCache", 96, "canary (200)"): (11.5, True),
                      ("AMS (TOVA) + VeriCache", 96, "state (20)"): (7.0, True)}
-    assert set(zip(points["series"], points["method"])) == {("H2O + VeriCache", "h2o"),
-                                                            ("AMS (TOVA) + VeriCache", "ams_tova")}
+    assert set(zip(points["series"], points["method"], strict=True)) == {("H2O + VeriCache", "h2o"),
+                                                                         ("AMS (TOVA) + VeriCache", "ams_tova")}
     assert main(["--only", "acceptance", "--table", str(csv), "--horizon", "25", "--out", str(tmp_path)]) == 0
     assert is_figure(tmp_path / "vericache_acceptance.png")
     assert is_figure(tmp_path / "vericache_acceptance.pdf")
