@@ -83,6 +83,8 @@ BY_METHOD_COLUMNS = 3
 ERROR = "accuracy_se"  # one standard error of `accuracy`, in percent
 ERROR_LABEL = "±1 standard error"
 NO_REFERENCE = "no FullKV run"
+ACCEPTANCE_FIGURE = "vericache_acceptance.png"  # drawn from runs or from a table's CSV
+TABLE_KEYS = ("Model", "Budget", "Method")  # the row keys of a table's CSV (`evals.report.table`)
 
 
 def prepare(runs: pd.DataFrame) -> pd.DataFrame:
@@ -665,7 +667,7 @@ def plot_acceptance(runs: pd.DataFrame, out_dir: Path | str) -> list[Path]:
     runs = prepare(runs[runs["verify"] == "vericache"])
     runs["accepted_per_round"] = pd.to_numeric(runs["accepted_per_round"], errors="coerce")
     horizons = [float(h) for h in runs["verify_horizon"].dropna().unique()]
-    return save(acceptance_figure(runs, horizons), Path(out_dir) / "vericache_acceptance.png")
+    return save(acceptance_figure(runs, horizons), Path(out_dir) / ACCEPTANCE_FIGURE)
 
 
 def acceptance_figure(points: pd.DataFrame, horizons: list[float]) -> Figure:
@@ -684,9 +686,6 @@ def acceptance_figure(points: pd.DataFrame, horizons: list[float]) -> Figure:
         ax.set_ylim(bottom=0)
     add_legend(figure, points)
     return figure
-
-
-TABLE_KEYS = ("Model", "Budget", "Method")
 
 
 def table_points(path: Path) -> pd.DataFrame:
@@ -760,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.table is not None:
             figure = acceptance_figure(table_points(args.table), [] if args.horizon is None else [args.horizon])
-            paths = save(figure, args.out / "vericache_acceptance.png")
+            paths = save(figure, args.out / ACCEPTANCE_FIGURE)
         elif args.only == "heatmap":
             paths = plot_table_heatmap(args)
         else:

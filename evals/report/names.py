@@ -30,6 +30,7 @@ METHOD_NAMES = {"vanilla": "FullKV", "streaming": "StreamingLLM", "h2o": "H2O", 
 # conf/verify names -> display names: a run drafted by a method and checked by one of these is labelled
 # "<method> + <name>" (a verify config not listed shows its config name).
 VERIFY_NAMES = {"vericache": "VeriCache"}
+VERIFIED = " + "  # between a drafting method's label and its verifier's name
 # conf/model keys -> the names papers use (DeepSeek's distilled models without the "DeepSeek-").
 MODEL_NAMES = {
     "qwen3_4b": "Qwen3-4B", "qwen3_8b": "Qwen3-8B", "r1_distill_llama_8b": "R1-Distill-Llama-8B",
@@ -64,28 +65,28 @@ def method_label(method: str, variant: str, budget_mode: str | None = None) -> s
     return f"{name} ({', '.join(marks)})" if marks else name
 
 
+def verified_label(label: str, verify: str) -> str:
+    """The label of a method drafting for a verifier (`verify=vericache`): "H2O + VeriCache"."""
+    return f"{label}{VERIFIED}{VERIFY_NAMES.get(verify, verify)}"
+
+
 def parse_method_label(label: str) -> tuple[str, str, str | None, str | None]:
-    """The inverse of the labels tables print (`method_label`, and runs.label's " + <verifier>"):
-    (method, variant, budget mode, verify), the method's config name where its display name is
-    known, else the label's name as it is (before its last parentheses). Of the marks in
-    parentheses, the first is the variant and a second the budget mode; a lone mark is read as the
-    variant (a label does not say which)."""
+    """The inverse of the labels tables print (`method_label`, `verified_label`): (method, variant,
+    budget mode, verify), config names where the display names are known, else the names as they
+    are. Of the marks in the last parentheses, the first is the variant and a second the budget
+    mode; a lone mark is read as the variant (a label does not say which)."""
     verify = None
-    for key, name in VERIFY_NAMES.items():
-        if label.endswith(f" + {name}"):
-            label, verify = label[: -len(f" + {name}")], key
-    # The longest display name first: "AMS (TOVA)" is a name, "R-KV (lf_repo)" a name and a mark.
-    for method, name in sorted(METHOD_NAMES.items(), key=lambda item: -len(item[1])):
-        if label == name:
-            return method, DEFAULT_VARIANT, None, verify
-        if label.startswith(f"{name} (") and label.endswith(")"):
-            marks = label[len(name) + 2: -1].split(", ")
-            return method, marks[0], (marks[1] if len(marks) > 1 else None), verify
+    drafted, separator, verifier = label.rpartition(VERIFIED)
+    if separator:
+        label, verify = drafted, {name: key for key, name in VERIFY_NAMES.items()}.get(verifier, verifier)
+    methods = {name: method for method, name in METHOD_NAMES.items()}
+    if label in methods:  # whole names first: "AMS (TOVA)" is a name, "R-KV (lf_repo)" a name and a mark
+        return methods[label], DEFAULT_VARIANT, None, verify
     name, opening, marks = label.rpartition(" (")
-    if opening and marks.endswith(")"):
-        marks = marks[:-1].split(", ")
-        return name, marks[0], (marks[1] if len(marks) > 1 else None), verify
-    return label, DEFAULT_VARIANT, None, verify
+    if not (opening and marks.endswith(")")):
+        return label, DEFAULT_VARIANT, None, verify
+    variant, _, mode = marks[:-1].partition(", ")
+    return methods.get(name, name), variant, mode or None, verify
 
 
 def model_name(key: str) -> str:

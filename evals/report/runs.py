@@ -19,12 +19,12 @@ from evals.metrics import summarize
 from evals.report.item_sets import SWEEP, ItemSet, folder_item_sets, sweep_item_sets, warn
 from evals.report.names import (
     DEFAULT_VARIANT,
-    VERIFY_NAMES,
     dataset_name,
     dataset_sort_key,
     method_label,
     method_rank,
     model_name,
+    verified_label,
 )
 from evals.report.provenance import uncommitted
 from evals.report.settings import known, settings, split_labels
@@ -246,7 +246,7 @@ def label(runs: pd.DataFrame) -> pd.DataFrame:
     runs["method_label"] = [method_label(m, v, b) for m, v, b in zip(runs["method"], runs["variant"], modes,
                                                                       strict=True)]
     if "verify" in runs:  # a method drafting for a verifier (`verify=vericache`) is a row of its own
-        runs["method_label"] = [f"{name} + {VERIFY_NAMES.get(verify, verify)}" if isinstance(verify, str) else name
+        runs["method_label"] = [verified_label(name, verify) if isinstance(verify, str) else name
                                 for name, verify in zip(runs["method_label"], runs["verify"], strict=True)]
     runs["method_rank"] = runs["method"].map(method_rank)
     runs["budget_label"] = [
