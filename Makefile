@@ -12,6 +12,10 @@ ENV := $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 # The GPU image this project is measured on ships transformers 5.17: pin it for identical numerics.
 TRANSFORMERS ?= transformers==5.17.0
+# ... and Triton 3.6 (torch 2.11's). Machines without a GPU also get it, in $(VENV)/gpu-triton beside the
+# installed Triton, so that tests/test_kernels_compile.py compiles every kernel for sm_90 with both: the
+# interpreter the CPU tests run the kernels through accepts code that a compiler may refuse.
+GPU_TRITON ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo 'triton==3.6.0')
 
 RUNS ?= results/runs
 # Table 1's baselines: lf_repo (the LongFlow authors' implementations, the paper's numbers) or paper
@@ -39,6 +43,7 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet "$(TORCH)" "$(TRANSFORMERS)"
 	$(VENV)/bin/pip install --quiet -e ".[dev,cluster]"  # cluster: the launchers, whose sweeps the tests run
+	$(if $(GPU_TRITON),$(VENV)/bin/pip install --quiet --no-deps --upgrade --target $(VENV)/gpu-triton "$(GPU_TRITON)")
 	touch $(STAMP)
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist; each file's tests in one process, which keeps

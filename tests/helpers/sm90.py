@@ -1,0 +1,182 @@
+"""The Triton kernels of `longflow.kernels`, compiled for an H100/H200 (sm_90) on a machine without a GPU.
+
+The CPU tests run every kernel through Triton's interpreter, which accepts code that the compiler
+refuses: a jit helper's constexpr parameter left to its default, for one, reaches the compiler as a
+plain string there. Such a kernel passes CI and fails on the first GPU that launches it. Here the host
+functions are called on small CPU tensors at Qwen3-8B's head shapes, with the kernels defined for the
+compiler (TRITON_INTERPRET=0 before import) and their launches recorded instead of run; each distinct
+launch is then specialised as Triton specialises a real one (pointers and integers divisible by 16,
+integers equal to 1 made constants) and compiled to a cubin for sm_90 by Triton's own ptxas.
+
+Run as a script (`tests/test_kernels_compile.py` does, in a process of its own): it prints one JSON
+object, the kernels compiled and how many launches of each, and exits non-zero on a compile error.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"  # before Triton or a kernel module is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+import longflow.kernels  # noqa: E402, F401  (defines every kernel for the compiler)
+
+TARGET = GPUTarget("cuda", 90, 32)
+SMS, L2_BYTES = 132, 50 * 2**20  # an H100/H200, so that the launch configurations are the GPU's
+POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
+                 torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+
+
+def kernel_modules() -> list:
+    return [module for name, module in sys.modules.items() if name.startswith("longflow.kernels.")]
+
+
+def all_kernels() -> set[str]:
+    """The launchable kernels of the package: its JIT functions named `*_kernel` (the others are helpers)."""
+    return {f"{module.__name__}.{name}" for module in kernel_modules() for name, value in vars(module).items()
+            if isinstance(value, JITFunction) and name.endswith("_kernel")}
+
+
+def record_launches(calls) -> list[tuple[JITFunction, dict, dict]]:
+    """(kernel, bound arguments, launch options) of every launch `calls()` makes; nothing runs."""
+    launches = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        options = {name: kwargs.pop(name) for name in LAUNCH_OPTIONS if name in kwargs}
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        launches.append((self, dict(bound.arguments), options))
+
+    # The host functions refuse CPU tensors unless the interpreter is on, and pick IEEE products under
+    # it: both are read at call time, so the kernels stay compiled-mode ones while the products are
+    # chosen as on a GPU (float32 only).
+    originals = JITFunction.run, os.environ["TRITON_INTERPRET"]
+    precision = {module: module.ieee_products for module in kernel_modules() if hasattr(module, "ieee_products")}
+    attention = sys.modules["longflow.kernels.longflow_attention"]
+    device_facts = attention._multiprocessors, attention._l2_bytes
+    JITFunction.run, os.environ["TRITON_INTERPRET"] = record, "1"
+    for module in precision:
+        module.ieee_products = lambda dtype: dtype == torch.float32
+    attention._multiprocessors, attention._l2_bytes = (lambda device: SMS), (lambda device: L2_BYTES)
+    try:
+        calls()
+    finally:
+        JITFunction.run, os.environ["TRITON_INTERPRET"] = originals
+        for module, function in precision.items():
+            module.ieee_products = function
+        attention._multiprocessors, attention._l2_bytes = device_facts
+    return launches
+
+
+def specialise(kernel: JITFunction, arguments: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of `ASTSource`, as Triton specialises a launch with these arguments."""
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(kernel.params):
+        value = arguments[param.name]
+        key = (index,)
+        if param.is_constexpr or value is None:
+            signature[param.name], constexprs[key] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + POINTER_TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                attrs[key] = [["tt.divisibility", 16]]
+        elif isinstance(value, bool):
+            signature[param.name] = "i1"
+        elif isinstance(value, int):
+            if value == 1 and not param.do_not_specialize:
+                signature[param.name], constexprs[key] = "constexpr", 1
+                continue
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0 and not param.do_not_specialize:
+                attrs[key] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[param.name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: argument {param.name} of type {type(value).__name__}")
+    return signature, constexprs, attrs
+
+
+def compile_launches(launches) -> dict[str, int]:
+    """Compiles each distinct launch for sm_90; the count of distinct launches per kernel."""
+    seen, counts = set(), {}
+    for kernel, arguments, options in launches:
+        signature, constexprs, attrs = specialise(kernel, arguments)
+        name = f"{kernel.fn.__module__}.{kernel.fn.__name__}"
+        key = (name, tuple(signature.items()), repr(sorted(constexprs.items())), repr(sorted(attrs.items())),
+               tuple(sorted(options.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                       options=options)
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def host_calls() -> None:
+    """Every host function of the package in the modes the engine and the benchmarks use, at Qwen3-8B's
+    head shapes (32 query heads, 8 KV heads, head dim 128) and a few hundred slots."""
+    from longflow.kernels import (
+        append_decode,
+        compact_in_place,
+        flash_decode,
+        longflow_attention,
+        newest_duplicates,
+        scored_attention,
+        similarity_sums,
+        window_importance,
+        write_token,
+    )
+    from longflow.kernels.longflow_attention import SCORES, LaunchConfig
+
+    q_heads, kv_heads, slots, head_dim = 32, 8, 320, 128
+    for batch, dtype in ((1, torch.bfloat16), (64, torch.bfloat16), (2, torch.float32)):
+        q = torch.randn(batch, q_heads, head_dim, dtype=dtype)
+        keys, values = (torch.randn(batch, kv_heads, slots, head_dim, dtype=dtype) for _ in range(2))
+        valid = torch.ones(batch, kv_heads, slots, dtype=torch.bool)
+        positions = torch.zeros(batch, kv_heads, slots, dtype=torch.long)
+        next_slot = torch.full((batch, kv_heads), 100, dtype=torch.long)
+        lengths = next_slot[:, 0]
+        arrivals = torch.zeros(batch * kv_heads, dtype=torch.int32)
+        token = torch.randn(batch, kv_heads, 1, head_dim, dtype=dtype)
+        token_positions = torch.zeros(batch, dtype=torch.long)
+        state = torch.zeros(batch, kv_heads, slots)
+        longflow_attention(q, keys, values, valid[:, 0])
+        longflow_attention(q, keys, values, valid[:, 0], protect=valid[:, 0], config=LaunchConfig(scratch="fp16"))
+        longflow_attention(q, keys, values, valid[:, 0], config=LaunchConfig(vnorm="reduce", prefetch=False))
+        for score, spec in SCORES.items():
+            for per_kv_head in {True, spec.accumulate}:
+                scored_attention(q, keys, values, valid, next_slot, score=score, per_kv_head=per_kv_head,
+                                 received=state if spec.accumulate else None,
+                                 norms=state if spec.norms else None)
+        flash_decode(q, keys, values, valid[:, 0], lengths)
+        flash_decode(q, keys, values, valid, None)
+        flash_decode(q, keys, values, valid[:, 0], lengths, arrivals=arrivals)
+        append_decode(q, token, token, keys, values, valid, positions, next_slot, token_positions, arrivals)
+        write_token(keys, values, valid, positions, next_slot, token, token, token_positions)
+        write_token(keys, values, valid, positions, next_slot, token, token, token_positions, advance=True)
+        inverse_norms, _ = similarity_sums(keys, valid)
+        newest_duplicates(keys, inverse_norms, 0.5)
+        window = torch.randn(batch, q_heads, 8, head_dim, dtype=dtype)
+        window_importance(window, torch.ones(batch, 8, dtype=torch.bool), keys, valid, head_dim**-0.5)
+        order = torch.arange(slots).expand(batch, kv_heads, slots).contiguous()
+        compact_in_place(keys, values, order, valid)
+        compact_in_place(keys, values, order[:1], valid[:1], rows=torch.zeros(1, dtype=torch.long))
+
+
+def main() -> None:
+    counts = compile_launches(record_launches(host_calls))
+    print(json.dumps({"triton": triton.__version__, "kernels": sorted(all_kernels()), "compiled": counts}))
+
+
+if __name__ == "__main__":
+    main()
