@@ -11,6 +11,14 @@ graph. `use_kernel`, a switch for tests and benchmarks (runs keep `auto`): `auto
 the eager two-matmul attention of `longflow.attention` on the CPU, exact over all slots since free
 ones are masked), `triton` (the kernel everywhere, through Triton's interpreter on the CPU: tests)
 or `eager`.
+
+`one_launch` (off by default until it has been timed and tested on a GPU): with the kernel, a
+layer's step is one launch, `longflow.kernels.append_decode` (the token's write, the attention and
+the combine of its splits), where the base class's write, `flash_decode` and its combine are three.
+At batch 1 the step is about 450 short kernels, and launches are part of its time. `store` then
+hands the token's k and v to `attend` instead of writing them, which transformers' attention
+modules allow: what `Cache.update` returns is what they pass to the attention function. Both
+switches choose how, not what, the method computes (`execution_fields`): runs resume across them.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from longflow.attention import decode_attention
-from longflow.kernels import flash_decode
+from longflow.kernels import append_decode, flash_decode
 from longflow.policy import ALIGN, DECODE_KERNELS, CacheSpec, KVPolicy, one_of, round_up, triton_decode
 
 
@@ -28,6 +36,7 @@ from longflow.policy import ALIGN, DECODE_KERNELS, CacheSpec, KVPolicy, one_of, 
 class VanillaPolicy(KVPolicy):
     variant: str = "paper"
     use_kernel: str = "auto"
+    one_launch: bool = False
 
     name = "vanilla"
     uses_budget = False
@@ -35,6 +44,7 @@ class VanillaPolicy(KVPolicy):
     # lf_repo sweeps share the full cache's runs.
     has_variants = False
     fills_in_order = True  # the slot write moves next_slot on (see `decode`)
+    execution_fields = KVPolicy.execution_fields | {"one_launch"}
 
     def __post_init__(self):
         self.budget = None  # built directly (tests) with a budget: still the full cache
@@ -51,8 +61,31 @@ class VanillaPolicy(KVPolicy):
     def compresses_within(self, prompt_tokens: int, total_tokens: int, spec: CacheSpec) -> bool:
         return False  # the full cache itself
 
+    def allocate(self, spec: CacheSpec) -> None:
+        super().allocate(spec)
+        # `append_decode`'s counters per (row, KV head), which each launch leaves at 0 again.
+        self.arrivals = torch.zeros(spec.batch * spec.kv_heads, dtype=torch.int32, device=spec.device)
+
     def on_prompt_stored(self, layer: int, kept: torch.Tensor, scores: torch.Tensor | None) -> None:
         self.next_slot[layer].fill_(kept.shape[-1])
+
+    def appends(self, k: torch.Tensor) -> bool:
+        """Whether a decode step's write goes into `append_decode` (the token's k, v `[B, Hkv, 1, D]`)."""
+        return (self.one_launch and triton_decode(self.use_kernel, k) and k.shape[2] == 1 and not self.slots.states
+                and self.history is None)
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.prefilling or not self.appends(k):
+            return super().store(layer, k, v)
+        return k, v  # written by `attend`, in the attention's launch
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.prefilling or not self.appends(k):
+            return super().attend(layer, q, k, v, scale)
+        slots = self.layers[layer]
+        out = append_decode(q[:, :, 0], k, v, slots.keys, slots.values, slots.valid, slots.positions,
+                            self.next_slot[layer], self.positions, self.arrivals, scale)
+        return out.unsqueeze(1)
 
     def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         slots = self.layers[layer]

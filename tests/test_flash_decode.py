@@ -1,5 +1,7 @@
 """Vanilla's flash-decoding kernel against a plain PyTorch softmax over exactly the filled, valid slots,
-and vanilla through that kernel against HF `generate`.
+with its combine in a second launch or in the pass; `append_decode` (the token's write, that pass and
+its combine in one launch) against PyTorch's scatters and that softmax; and vanilla through these
+kernels against HF `generate`.
 
 On a machine without CUDA the kernel runs in Triton's interpreter (set before Triton defines it, as
 in test_kernel.py); shapes stay small there.
@@ -17,9 +19,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from helpers import TEXTS, filled_attention, hf_generate, policy_of  # noqa: E402
 
-from longflow.config import GenerationConfig  # noqa: E402
+from baselines import vanilla  # noqa: E402
+from longflow.config import EngineConfig, GenerationConfig  # noqa: E402
 from longflow.engine import Engine  # noqa: E402
-from longflow.kernels import flash_decode  # noqa: E402
+from longflow.kernels import append_decode, flash_decode  # noqa: E402
 from longflow.kernels.longflow_attention import LaunchConfig  # noqa: E402
 from longflow.models import eos_token_ids  # noqa: E402
 
@@ -116,12 +119,132 @@ def test_rejects_bad_lengths():
         flash_decode(q, k, v, valid, lengths[:1])
 
 
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_combine_in_the_pass(config, dtype):
+    """With `arrivals` the last program of each KV head combines its splits: the same softmax, with
+    lengths or with every slot read under a per-head mask, and the counters back at 0 after each call."""
+    q, k, v, valid, lengths = ragged_inputs(3, 8, 2, 150, 32, dtype, seed=11)
+    arrivals = torch.zeros(3 * 2, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):  # a second call finds the counters as the first left them
+        out = flash_decode(q, k, v, valid, lengths, 32**-0.5, config=CONFIGS[config], arrivals=arrivals)
+        expected = filled_attention(q, k, v, valid, lengths, 32**-0.5)
+        error = (out.double() - expected).norm() / expected.norm()
+        assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
+        assert arrivals.eq(0).all()
+    per_head = valid[:, None, :].expand(3, 2, 150).clone()
+    per_head[1, 0, :60] = False
+    out = flash_decode(q, k, v, per_head, None, 32**-0.5, config=CONFIGS[config], arrivals=arrivals)
+    expected = flash_decode(q, k, v, per_head, None, 32**-0.5, config=CONFIGS[config])  # the second launch's
+    torch.testing.assert_close(out, expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    assert arrivals.eq(0).all()
+
+
+def scattered(keys, values, valid, positions, next_slot, new_k, new_v, token_positions):
+    """The token's write as PyTorch's scatters (what `SlotCache.write` does without its kernel), on copies;
+    next_slot advanced to at most the last slot."""
+    keys, values, valid, positions, next_slot = (x.clone() for x in (keys, values, valid, positions, next_slot))
+    batch, kv_heads, slots, head_dim = keys.shape
+    where = next_slot[..., None, None].expand(batch, kv_heads, 1, head_dim)
+    keys.scatter_(2, where, new_k)
+    values.scatter_(2, where, new_v)
+    valid.scatter_(2, next_slot[..., None], True)
+    positions.scatter_(2, next_slot[..., None], token_positions[:, None, None].expand(-1, kv_heads, 1))
+    return keys, values, valid, positions, (next_slot + 1).clamp(max=slots - 1)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("q_heads,kv_heads", [(2, 2), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_decode_writes_the_token_and_attends_over_it(config, q_heads, kv_heads, dtype):
+    """Three steps: each writes the token where the scatters put it (cache, validity, position), moves
+    next_slot on, and attends over the filled valid slots and the token. Row 1 starts at the last slot,
+    where it stays and keeps being overwritten, attending over the slots before it and the token. The
+    token comes as attention modules hand it over: a transposed `[B, 1, Hkv, D]` view."""
+    batch, slots, head_dim, scale = 3, 150, 32, 32**-0.5
+    q, keys, values, valid, lengths = ragged_inputs(batch, q_heads, kv_heads, slots, head_dim, dtype, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    valid = valid[:, None, :].expand(batch, kv_heads, slots).clone()
+    positions = torch.randint(0, 1000, (batch, kv_heads, slots), generator=gen).to(DEVICE)
+    lengths[1] = slots - 1
+    next_slot = lengths[:, None].expand(batch, kv_heads).clone()
+    arrivals = torch.zeros(batch * kv_heads, dtype=torch.int32, device=DEVICE)
+    expected_state = (keys, values, valid, positions, next_slot)
+    for step in range(3):
+        new_k, new_v = (torch.randn(batch, 1, kv_heads, head_dim, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+                        for _ in range(2))
+        token_positions = torch.tensor([600 + step, 700 + step, 800 + step], device=DEVICE)
+        seen = expected_state[4][:, 0] + 1  # the slots before the token's and the token
+        expected_state = scattered(*expected_state, new_k, new_v, token_positions)
+        out = append_decode(q, new_k, new_v, keys, values, valid, positions, next_slot, token_positions, arrivals,
+                            scale, config=CONFIGS[config])
+        expected = filled_attention(q, expected_state[0], expected_state[1], expected_state[2][:, 0], seen, scale)
+        error = (out.double() - expected).norm() / expected.norm()
+        assert error < TOLERANCE[dtype], f"step {step}: relative error {error:.2e}"
+        for name, got, want in zip(("keys", "values", "valid", "positions", "next_slot"),
+                                   (keys, values, valid, positions, next_slot), expected_state, strict=True):
+            assert torch.equal(got, want), f"step {step}: {name}"
+        assert arrivals.eq(0).all()
+    assert next_slot[1].eq(slots - 1).all()
+
+
+def test_append_decode_rejects_what_it_cannot_write():
+    q, k, v, valid, lengths = ragged_inputs(2, 4, 2, 32, 16, torch.float32, seed=0)
+    valid = valid[:, None, :].expand(2, 2, 32).contiguous()
+    positions = torch.zeros(2, 2, 32, dtype=torch.long, device=DEVICE)
+    next_slot = lengths[:, None].expand(2, 2).contiguous()
+    new = torch.randn(2, 2, 1, 16, device=DEVICE)
+    tokens = torch.tensor([5, 6], device=DEVICE)
+    arrivals = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    good = dict(q=q, new_k=new, new_v=new, keys=k, values=v, valid=valid, positions=positions, next_slot=next_slot,
+                token_positions=tokens, arrivals=arrivals)
+    bad = {
+        "arrivals": arrivals[:3], "next_slot": next_slot.int(), "positions": positions.int(),
+        "valid": valid[:, 0], "token_positions": tokens.float(), "new_k": new[..., :8],
+        "keys": k.transpose(2, 3).contiguous().transpose(2, 3),
+    }
+    for name, value in bad.items():
+        with pytest.raises(ValueError, match=name):
+            append_decode(**good | {name: value})
+    with pytest.raises(TypeError, match="new_k"):
+        append_decode(**good | {"new_k": new.double()})
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU model; test_gpu.py runs it on the GPU")
-def test_vanilla_through_the_kernel_matches_hf_generate(tiny):
-    """The whole decode through the kernel, in the interpreter: HF's greedy tokens."""
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_vanilla_through_the_kernel_matches_hf_generate(tiny, one_launch, monkeypatch):
+    """The whole decode through the kernels, in the interpreter: HF's greedy tokens, with the step's
+    write, attention and combine in three launches or in one (`one_launch`: every layer of the 11
+    decode forwards)."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return append_decode(*args, **kwargs)
+
+    monkeypatch.setattr(vanilla, "append_decode", counted)
     model, tokenizer = tiny
     prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
-    engine = Engine(model, lambda: policy_of("vanilla", None, use_kernel="triton"),
+    engine = Engine(model, lambda: policy_of("vanilla", None, use_kernel="triton", one_launch=one_launch),
                     eos_token_ids(model, tokenizer), tokenizer.pad_token_id)
     result = engine.generate(prompts, GenerationConfig(max_new_tokens=12), [0, 1, 2])
     assert result.tokens == hf_generate(model, tokenizer, prompts, max_new_tokens=12, do_sample=False)
+    assert len(calls) == (11 * model.config.num_hidden_layers if one_launch else 0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU model; test_gpu.py runs it on the GPU")
+def test_vanilla_in_one_launch_serves_continuously(tiny):
+    """Continuous batching through `append_decode` in the interpreter: admissions into freed rows, and
+    released rows decoding padding at their last slot, give every item the tokens of three launches."""
+    model, tokenizer = tiny
+    prompts = [tokenizer(t)["input_ids"] for t in TEXTS]
+
+    def served(one_launch):
+        engine = Engine(model, lambda: policy_of("vanilla", None, use_kernel="triton", one_launch=one_launch),
+                        [], tokenizer.pad_token_id, EngineConfig(batch_size=2, refill_rows=1, check_every=4))
+        generation = GenerationConfig(max_new_tokens=20, ignore_eos=True)
+        rounds = engine.serve(prompts, generation, [0, 1, 2], limits=[6, 20, 11])
+        tokens = {item.index: item.tokens for round_ in rounds for item in round_.finished}
+        return [tokens[i] for i in range(len(prompts))]
+
+    assert served(True) == served(False)

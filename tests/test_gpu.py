@@ -1,7 +1,8 @@
 """The engine on a GPU: CUDA-graph decoding gives HF's tokens, and every method config of conf/method/
 (TOVA, KeyDiff, Expected Attention and the AMS variants included) is graph-safe, in generation and in
 the teacher-forced fidelity pass; vanilla's flash-decoding kernel replays with lengths that change
-between replays; the compiled decode forward gives the tokens of the eager one."""
+between replays, and its one-launch step (`append_decode`) replays step after step, its splits
+combined by their last program; the compiled decode forward gives the tokens of the eager one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from helpers import COMPRESSING, FAMILIES, TEXTS, filled_attention, hf_generate,
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine
 from longflow.fidelity import teacher_force
-from longflow.kernels import flash_decode
+from longflow.kernels import append_decode, flash_decode
 from longflow.models import eos_token_ids, load_model
 
 # Small budgets shrink the compression interval of interval methods, with a warning expected here.
@@ -53,6 +54,73 @@ def test_vanilla_flash_decoding_under_graphs_equals_eager_and_hf(tiny_cuda):
     assert graphed.cuda_graph and not eager.cuda_graph
     assert graphed.tokens == eager.tokens
     assert graphed.tokens == hf_generate(model, tokenizer, prompts, max_new_tokens=300, do_sample=False)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 64])
+def test_append_decode_replays_step_after_step(batch):
+    """One captured `append_decode` at Qwen3-8B's head shapes, replayed 40 times: each replay writes a
+    new token after the row's last and attends over them all. At batch 1 each KV head's slots are split
+    over about 33 programs, whose last one combines them: the output of every replay is checked against
+    the softmax over the slots written so far, and the counters are back at 0 after each."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    slots, heads, kv_heads, dim = 2048, 32, 8, 128
+    q = 2 * torch.randn(batch, heads, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    keys, values = (torch.randn(batch, kv_heads, slots, dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+                    for _ in range(2))
+    starts = torch.randint(1, 1900, (batch,), generator=gen, device="cuda")
+    valid = (torch.arange(slots, device="cuda")[None, :] < starts[:, None])[:, None].expand(-1, kv_heads, -1).clone()
+    positions = torch.zeros(batch, kv_heads, slots, dtype=torch.long, device="cuda")
+    next_slot = starts[:, None].expand(-1, kv_heads).clone()
+    token_positions = starts.clone()
+    new_k, new_v = (torch.zeros(batch, kv_heads, 1, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    arrivals = torch.zeros(batch * kv_heads, dtype=torch.int32, device="cuda")
+    state = (keys, values, valid, positions, next_slot, token_positions, arrivals)
+    append_decode(q, new_k, new_v, *state)  # compiles outside the capture
+    valid[:] = torch.arange(slots, device="cuda")[None, None, :] < starts[:, None, None]
+    next_slot.copy_(starts[:, None].expand(-1, kv_heads))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = append_decode(q, new_k, new_v, *state)
+    for step in range(40):
+        new_k.normal_(generator=gen)
+        new_v.normal_(generator=gen)
+        slot = starts + step
+        graph.replay()
+        rows = torch.arange(batch, device="cuda")
+        assert torch.equal(keys[rows, :, slot], new_k[:, :, 0]) and torch.equal(values[rows, :, slot], new_v[:, :, 0])
+        assert torch.equal(positions[rows, :, slot], token_positions[:, None].expand(-1, kv_heads))
+        assert torch.equal(next_slot, (slot + 1)[:, None].expand(-1, kv_heads)) and arrivals.eq(0).all()
+        expected = filled_attention(q, keys, values, valid[:, 0], slot + 1, 128**-0.5)
+        error = (out.double() - expected).norm() / expected.norm()
+        assert error < 1e-2, f"step {step}: relative error {error:.2e}"
+        token_positions += 1
+
+
+@pytest.mark.parametrize("compile_step", [False, True])
+def test_vanilla_in_one_launch_gives_the_tokens_of_three(tiny_cuda, compile_step):
+    """`one_launch` (`append_decode`: the step's write, attention and combine in one launch) under the
+    engine's CUDA graph, eager or compiled: 300 steps at batch 3 and at batch 1 (the tuned compile), and
+    served continuously with admissions, each with the tokens of the base write, `flash_decode` and its
+    combine."""
+    model, tokenizer = tiny_cuda
+    prompts = [tokenizer(t * 4)["input_ids"] for t in TEXTS]
+    generation = GenerationConfig(max_new_tokens=300, ignore_eos=True)
+    limits = [250, 17, 160]
+
+    def runs(one_launch):
+        def engine(**config):
+            return Engine(model, lambda: policy_of("vanilla", None, one_launch=one_launch), [], tokenizer.pad_token_id,
+                          EngineConfig(compile=compile_step, **config))
+
+        static = engine().generate(prompts, generation, [0, 1, 2])
+        alone = engine(batch_size=1).generate(prompts[:1], generation, [0])
+        rounds = list(engine(batch_size=2, refill_rows=1, check_every=8).serve(prompts, generation, [0, 1, 2],
+                                                                              limits=limits))
+        served = {item.index: item.tokens for round_ in rounds for item in round_.finished}
+        assert static.cuda_graph and alone.cuda_graph and rounds[-1].cuda_graph
+        return static.tokens, alone.tokens, [served[i] for i in range(3)]
+
+    assert runs(True) == runs(False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,7 +1,8 @@
 """Decode kernels: LongFlow's fused Triton attention and its plain PyTorch reference, the same kernel
 with the score epilogues of the other step methods (`scored_attention`: H2O, VATP, TOVA), its
-flash-decoding pass without the score (`flash_decode`, vanilla's attention), the decode token's
-slot write (`write_token`), R-KV's newest near-duplicate search (`newest_duplicates`), its
+flash-decoding pass without the score (`flash_decode`), vanilla's whole decode step of a layer in one
+launch (`append_decode`: the token's write, that pass and its combine), the decode token's slot write
+(`write_token`), R-KV's newest near-duplicate search (`newest_duplicates`), its
 similarities' column sums (`similarity_sums`) and its window importance (`window_importance`), and
 an interval method's compaction of K and V in place (`compact_in_place`).
 
@@ -17,7 +18,7 @@ from longflow.kernels.reference import reference
 try:
     from longflow.kernels.compaction import compact_in_place
     from longflow.kernels.duplicates import newest_duplicates
-    from longflow.kernels.longflow_attention import flash_decode, longflow_attention, scored_attention
+    from longflow.kernels.longflow_attention import append_decode, flash_decode, longflow_attention, scored_attention
     from longflow.kernels.similarity_sums import similarity_sums
     from longflow.kernels.slot_write import write_token
     from longflow.kernels.window_importance import window_importance
@@ -29,6 +30,9 @@ except ImportError as error:  # Triton is a Linux-only dependency
 
     def flash_decode(*args, **kwargs):
         raise ImportError(f"the flash-decoding kernel needs Triton: {_triton_error}")
+
+    def append_decode(*args, **kwargs):
+        raise ImportError(f"the appending flash-decoding kernel needs Triton: {_triton_error}")
 
     def write_token(*args, **kwargs):
         raise ImportError(f"the slot-write kernel needs Triton: {_triton_error}")
@@ -49,5 +53,5 @@ except ImportError as error:  # Triton is a Linux-only dependency
         raise ImportError(f"the window-importance kernel needs Triton: {_triton_error}")
 
 
-__all__ = ["compact_in_place", "flash_decode", "longflow_attention", "newest_duplicates", "reference",
+__all__ = ["append_decode", "compact_in_place", "flash_decode", "longflow_attention", "newest_duplicates", "reference",
            "scored_attention", "similarity_sums", "window_importance", "write_token"]

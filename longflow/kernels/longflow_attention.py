@@ -71,17 +71,32 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _partial_kernel(
     Q, K, V, VALID, LENGTHS, T, TREF, M_PART, L_PART, ACC, OUT, BEST, ARRIVED,
+    NEW_K, NEW_V, POSITIONS, TOKEN_POSITIONS, SPLITS_ARRIVED,
     stride_qb, stride_qh, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
-    stride_valid_b, stride_valid_h, stride_valid_s, stride_lengths,
+    stride_valid_b, stride_valid_h, stride_valid_s, stride_lengths, stride_lengths_h,
+    stride_new_k_b, stride_new_k_h, stride_new_v_b, stride_new_v_h, stride_positions_b, stride_positions_h,
     n_slots, n_tiles, chunk, n_splits, qk_scale,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_SPLIT: tl.constexpr, SCRATCH_FP16: tl.constexpr, FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr,
     VNORM_MMA: tl.constexpr, KV_EVICT: tl.constexpr, T_EVICT: tl.constexpr,
     SCORE: tl.constexpr, BOUNDED: tl.constexpr, VNORM: tl.constexpr, SELECTIONS: tl.constexpr,
+    COMBINE: tl.constexpr, APPEND: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr,
 ):
+    """Program (b * Hkv + kv_head, split); see the module docstring. COMBINE and APPEND serve
+    `flash_decode` and `append_decode` only (SCORE off; BOUNDED on for APPEND); SPLITS_PAD and
+    HEAD_TILE tile the combine:
+
+    COMBINE: the program of a KV head that finishes last (a counter per (b, kv_head) in
+    SPLITS_ARRIVED, left at 0 again) combines the head's splits, so that no second launch is needed.
+    APPEND: the decode token `NEW_K`/`NEW_V` `[B, Hkv, 1, D]` goes to slot `LENGTHS[b, kv_head]`
+    (the row's next slot, also its filled length) with its validity and position; the programs
+    read the slots before it, and split 0 starts its softmax from the token itself, held in
+    registers, so that no program reads a slot that another one writes. The next slot moves on
+    (to at most the last) once every program of the head has read it: by the last to arrive.
+    """
     tl.static_assert(GROUP_PAD >= 16, "tl.dot needs at least 16 rows")
     tl.static_assert(BLOCK_N >= 16, "tl.dot needs at least 16 columns")
     tl.static_assert(GROUP <= GROUP_PAD)
@@ -118,7 +133,29 @@ def _partial_kernel(
         # Only the row's first `filled` slots: the splits share them (whole tiles each), so the
         # static grid spreads the bytes actually read; a split past them runs no iteration and
         # writes an empty partial (m = -inf, l = 0) that the combine weighs 0.
-        filled = tl.minimum(tl.load(LENGTHS + b * stride_lengths).to(tl.int32), n_slots)
+        length_ptr = LENGTHS + b * stride_lengths
+        if APPEND:  # the next slot of each KV head
+            length_ptr += kv_head * stride_lengths_h
+        next_slot = tl.load(length_ptr)
+        filled = tl.minimum(next_slot.to(tl.int32), n_slots)
+        if APPEND:
+            # Branch-free: every program loads the token (a few hundred bytes, from L2), split 0 writes it
+            # and takes it as its first slot: m = its logit, l = 1, acc = its value.
+            first = split == 0
+            # The write's mask as a vector: Triton's interpreter takes no scalar broadcast into one.
+            writes = d_ok & (tl.full([HEAD_DIM_PAD], 0, tl.int32) + split == 0)
+            new_k = tl.load(NEW_K + b * stride_new_k_b + kv_head * stride_new_k_h + offs_d, mask=d_ok, other=0.0)
+            new_v = tl.load(NEW_V + b * stride_new_v_b + kv_head * stride_new_v_h + offs_d, mask=d_ok, other=0.0)
+            tl.store(k_base + next_slot * stride_ks, new_k[None, :], mask=writes[None, :])
+            tl.store(v_base + next_slot * stride_vs, new_v[None, :], mask=writes[None, :])
+            tl.store(VALID + b * stride_valid_b + kv_head * stride_valid_h + next_slot * stride_valid_s,
+                     tl.full([], 1, tl.uint8), mask=first)
+            tl.store(POSITIONS + b * stride_positions_b + kv_head * stride_positions_h + next_slot,
+                     tl.load(TOKEN_POSITIONS + b), mask=first)
+            logit = reduce_sum(q.to(tl.float32) * new_k.to(tl.float32)[None, :], 1) * qk_scale  # [G_PAD]
+            m_i = tl.where(first, logit, m_i)
+            l_i = tl.where(first, 1.0, l_i)
+            acc = tl.where(first, acc + new_v.to(tl.float32)[None, :], acc)
         tiles = (filled + BLOCK_N - 1) // BLOCK_N  # by hand: tl.cdiv is one of the jit wrappers above
         chunk = (tiles + n_splits - 1) // n_splits * BLOCK_N
         lo = split * chunk
@@ -201,8 +238,22 @@ def _partial_kernel(
     if ONE_SPLIT:
         out = (acc / tl.where(l_i > 0, l_i, 1.0)[:, None]).to(OUT.dtype.element_ty)
         tl.store(OUT + rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=out_mask)
+        if APPEND:
+            tl.store(length_ptr, tl.minimum(next_slot + 1, n_slots - 1))
     else:
         tl.store(ACC + (rows[:, None] * n_splits + split) * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+        if COMBINE:
+            # Every thread's stores above before the counter's release (the barrier), and the
+            # partials read after its acquire past L1 (.cg), which other programs' stores bypass.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(SPLITS_ARRIVED + pid, 1, sem="acq_rel")
+            if arrived == n_splits - 1:
+                tl.debug_barrier()
+                _combine_heads(M_PART, L_PART, ACC, OUT, b, kv_head, GROUP, n_splits, KV_HEADS * GROUP, HEAD_DIM,
+                               HEAD_DIM_PAD, SPLITS_PAD, HEAD_TILE, ".cg")
+                tl.store(SPLITS_ARRIVED + pid, 0)
+                if APPEND:
+                    tl.store(length_ptr, tl.minimum(next_slot + 1, n_slots - 1))
 
 
 @triton.jit
@@ -246,7 +297,7 @@ def _score_kernel(
 
     if not ONE_SPLIT:  # the row's heads are shared out over all its programs, whatever their selection
         _combine_heads(M_PART, L_PART, ACC, OUT, b, sel * n_parts + part, heads_per_part, n_splits,
-                       Q_HEADS, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, HEAD_TILE)
+                       Q_HEADS, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, HEAD_TILE, "")
 
     # Scores of this program's slot range and their argmin: free slots first (key -1, scores are
     # >= 0), protected slots last (+inf), the lowest index among ties. A tile is [SUBTILES, SUBTILE]
@@ -325,10 +376,11 @@ def _score_kernel(
 @triton.jit
 def _combine_heads(M_PART, L_PART, ACC, OUT, b, part, heads_per_part, n_splits,
                    Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                   SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr):
+                   SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr, CACHE: tl.constexpr):
     """Flash-decoding combine of the partial outputs of row b, for part `part`'s share of the heads,
     HEAD_TILE heads at a time with all their splits in one load ([HEAD_TILE, SPLITS_PAD, D]): a loop
-    over the splits would wait a full memory latency per split."""
+    over the splits would wait a full memory latency per split. `CACHE`: the loads' cache modifier
+    (".cg" where the partials were written by other programs of the same launch)."""
     offs_p = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     p_ok = offs_p < n_splits
@@ -341,13 +393,13 @@ def _combine_heads(M_PART, L_PART, ACC, OUT, b, part, heads_per_part, n_splits,
         ht_rows = b * Q_HEADS + heads
         ht_off = ht_rows[:, None] * n_splits + offs_p[None, :]  # [HEAD_TILE, SPLITS_PAD]
         ht_mask = ht_ok[:, None] & p_ok[None, :]
-        m_ht = tl.load(M_PART + ht_off, mask=ht_mask, other=float("-inf"))
-        l_ht = tl.load(L_PART + ht_off, mask=ht_mask, other=0.0)
+        m_ht = tl.load(M_PART + ht_off, mask=ht_mask, other=float("-inf"), cache_modifier=CACHE)
+        l_ht = tl.load(L_PART + ht_off, mask=ht_mask, other=0.0, cache_modifier=CACHE)
         m_ht_fin = reduce_max(m_ht, 1)
         weight = tl.exp2(m_ht - tl.where(m_ht_fin == float("-inf"), 0.0, m_ht_fin)[:, None])
         l_ht_fin = reduce_sum(l_ht * weight, 1)
         acc = tl.load(ACC + ht_off[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                      mask=ht_mask[:, :, None] & d_ok[None, None, :], other=0.0)
+                      mask=ht_mask[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=CACHE)
         out = reduce_sum(acc * weight[:, :, None], 1) / tl.where(l_ht_fin > 0, l_ht_fin, 1.0)[:, None]
         tl.store(OUT + ht_rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty),
                  mask=ht_ok[:, None] & d_ok[None, :])
@@ -359,7 +411,7 @@ def _combine_kernel(M_PART, L_PART, ACC, OUT, heads_per_part, n_splits,
                     SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr):
     """The combine alone, grid `(B, parts)`: the second launch of `flash_decode`."""
     _combine_heads(M_PART, L_PART, ACC, OUT, tl.program_id(0).to(tl.int64), tl.program_id(1), heads_per_part,
-                   n_splits, Q_HEADS, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, HEAD_TILE)
+                   n_splits, Q_HEADS, HEAD_DIM, HEAD_DIM_PAD, SPLITS_PAD, HEAD_TILE, "")
 
 
 @triton.jit
@@ -704,14 +756,16 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
     head_dim_pad = triton.next_power_of_2(head_dim)
     _partial_kernel[(batch * kv_heads, splits)](
         q, k, v, valid_u8, valid_u8, scratch, tile_ref, m_part, l_part, acc, out, best, arrived,
-        *q.stride(), *k.stride(), *v.stride(), *_mask_strides(valid_u8), 0,
+        # The token's and the combine counters' pointers and strides are never touched with APPEND and COMBINE off.
+        *(m_part,) * 5, *q.stride(), *k.stride(), *v.stride(), *_mask_strides(valid_u8), *(0,) * 8,
         slots, n_tiles, chunk, splits, scale * LOG2E,
         KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         ONE_SPLIT=splits == 1, SCRATCH_FP16=fp16_scratch, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
         VNORM_MMA=config.vnorm == "mma", KV_EVICT="evict_first" if config.l2_hints else "",
         T_EVICT="evict_last" if config.l2_hints else "", SCORE=True, BOUNDED=False, VNORM=score.vnorm,
-        SELECTIONS=selections, num_warps=config.num_warps, num_stages=config.num_stages,
+        SELECTIONS=selections, COMBINE=False, APPEND=False, SPLITS_PAD=1, HEAD_TILE=1,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if attention_only:
         return out
@@ -756,14 +810,16 @@ def flash_decode(
     scale: float | None = None,
     *,
     config: LaunchConfig | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain decode attention over each row's filled slots (flash-decoding), no score, no host sync.
 
     The attention pass of `longflow_attention` without its scratch: the grid is static (the splits
     of the heuristic for the whole capacity, so that a CUDA graph can hold it), and each program
     reads row b's filled length on the device and takes its share of slots [0, lengths[b]) only:
-    the bytes read per step follow the filled slots, not the capacity. A second launch combines
-    the splits' partial softmaxes (none when the heuristic gives one split).
+    the bytes read per step follow the filled slots, not the capacity. The splits' partial
+    softmaxes are combined by a second launch, or, given `arrivals`, by the last program of each KV
+    head to finish (none when the heuristic gives one split).
 
     Args:
         q: `[B, Hq, D]`; k, v: `[B, Hkv, S, D]` slot caches, any strides.
@@ -774,6 +830,8 @@ def flash_decode(
             is read, `valid` alone masks (caches whose free slots lie anywhere).
         scale: softmax scale, `D ** -0.5` when None.
         config: tiling override (tests); `block_n`, `num_warps`, `num_stages` and `splits` are used.
+        arrivals: `[B * Hkv]` int32 zeros, kept by the caller across calls (each call leaves them
+            at 0): the counters of the one-launch combine.
 
     Returns:
         `[B, Hq, D]` in the dtype of q: the softmax over the valid slots among the filled ones
@@ -791,7 +849,88 @@ def flash_decode(
                              f"{tuple(lengths.shape)}")
         if lengths.device != q.device:
             raise ValueError(f"lengths is on {lengths.device}, q on {q.device}")
-    _, q_heads, head_dim = q.shape
+    _check_arrivals(arrivals, batch * k.shape[1], q.device)
+    return _decode_pass(q, k, v, valid, lengths, scale, config, arrivals)
+
+
+def append_decode(
+    q: torch.Tensor,
+    new_k: torch.Tensor,
+    new_v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor,
+    positions: torch.Tensor,
+    next_slot: torch.Tensor,
+    token_positions: torch.Tensor,
+    arrivals: torch.Tensor,
+    scale: float | None = None,
+    *,
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """A cache filled in order (vanilla's) at one decode step of one layer, in one launch: the token's
+    write (`longflow.kernels.write_token` with `advance`), then `flash_decode` over the filled slots
+    with the combine in the pass (`arrivals`). Per layer that is one launch where there were three;
+    at batch 1 the step is about 450 short kernels and their ramps and tails are part of its time.
+
+    Row b, KV head h: slot `s = next_slot[b, h]` gets `new_k[b, h, 0]`, `new_v[b, h, 0]`, its
+    validity and position `token_positions[b]`; the output is the softmax over the valid slots of
+    [0, s) and the token (as `flash_decode` with lengths `s + 1` after the write); then `next_slot[b,
+    h]` moves to `s + 1`, at most the last slot (where a row past its end keeps writing, its output
+    then reading slots [0, S - 1) and the token). No host sync, static launch.
+
+    Args:
+        q: `[B, Hq, D]`; new_k, new_v: `[B, Hkv, 1, D]`, the last dim contiguous.
+        keys, values: `[B, Hkv, S, D]` slot caches, the last dim contiguous; written in place.
+        valid: `[B, Hkv, S]` bool, contiguous slots; the token's slot set in place.
+        positions: `[B, Hkv, S]` int64, contiguous slots; the token's slot set in place.
+        next_slot: `[B, Hkv]` int64, each in [0, S); advanced in place.
+        token_positions: `[B]` int64, contiguous.
+        arrivals: `[B * Hkv]` int32 zeros, kept across calls (left at 0).
+        scale, config: as `flash_decode`'s.
+
+    Returns:
+        `[B, Hq, D]` in the dtype of q.
+    """
+    batch, kv_heads, slots, head_dim = keys.shape
+    _check_inputs(q, keys, values, valid[:, 0], None)
+    for name, tensor in (("keys", keys), ("values", values), ("new_k", new_k), ("new_v", new_v)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim, got strides {tensor.stride()}")
+    if new_k.shape != (batch, kv_heads, 1, head_dim) or new_v.shape != new_k.shape:
+        raise ValueError(f"new_k and new_v must be [{batch}, {kv_heads}, 1, {head_dim}], "
+                         f"got {tuple(new_k.shape)}, {tuple(new_v.shape)}")
+    if new_k.dtype != keys.dtype or new_v.dtype != keys.dtype:
+        raise TypeError(f"new_k and new_v must be {keys.dtype}, got {new_k.dtype}, {new_v.dtype}")
+    for name, tensor, dtype in (("valid", valid, torch.bool), ("positions", positions, torch.int64)):
+        if tensor.dtype != dtype or tensor.shape != (batch, kv_heads, slots) or tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be a [batch, kv_heads, slots] = {(batch, kv_heads, slots)} {dtype} tensor "
+                             f"with contiguous slots, got {tensor.dtype} {tuple(tensor.shape)}")
+    if next_slot.dtype != torch.long or next_slot.shape != (batch, kv_heads):
+        raise ValueError(f"next_slot must be a [batch, kv_heads] = {(batch, kv_heads)} int64 tensor, "
+                         f"got {next_slot.dtype} {tuple(next_slot.shape)}")
+    if token_positions.shape != (batch,) or token_positions.dtype != torch.long or token_positions.stride(0) != 1:
+        raise ValueError(f"token_positions must be a contiguous [{batch}] int64 tensor, got "
+                         f"{token_positions.dtype} {tuple(token_positions.shape)}")
+    _check_arrivals(arrivals, batch * kv_heads, q.device)
+    others = (new_k, new_v, positions, next_slot, token_positions)
+    if any(tensor.device != q.device for tensor in others):
+        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in (q, *others)]}")
+    return _decode_pass(q, keys, values, valid, next_slot, scale, config, arrivals,
+                        append=(new_k, new_v, positions, token_positions))
+
+
+def _check_arrivals(arrivals: torch.Tensor | None, programs: int, device: torch.device) -> None:
+    if arrivals is not None and (arrivals.dtype != torch.int32 or arrivals.shape != (programs,)
+                                 or arrivals.device != device):
+        raise ValueError(f"arrivals must be a [batch * kv_heads] = [{programs}] int32 tensor on {device}, "
+                         f"got {arrivals.dtype} {tuple(arrivals.shape)} on {arrivals.device}")
+
+
+def _decode_pass(q, k, v, valid, lengths, scale, config, arrivals, append=None) -> torch.Tensor:
+    """The launches of `flash_decode` and `append_decode` (inputs checked). lengths: `[B]`, or the
+    next slots `[B, Hkv]` with `append` = (new_k, new_v, positions, token_positions)."""
+    batch, q_heads, head_dim = q.shape
     _, kv_heads, slots, _ = k.shape
     scale = head_dim**-0.5 if scale is None else float(scale)
     sms = _multiprocessors(q.device)
@@ -802,6 +941,7 @@ def flash_decode(
     else:  # the kernel cuts each row's filled slots itself
         chunk, splits = 0, min(config.splits, triton.cdiv(slots, config.block_n))
     fp32_dot = ieee_products(q.dtype)
+    group = q_heads // kv_heads
 
     f32 = torch.float32
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -810,25 +950,37 @@ def flash_decode(
     acc = torch.empty(batch, q_heads, splits, head_dim, dtype=f32, device=q.device) if splits > 1 else m_part
     valid_u8 = valid.view(torch.uint8)
     head_dim_pad = triton.next_power_of_2(head_dim)
+    splits_pad = triton.next_power_of_2(splits)
+    combine = arrivals is not None and splits > 1
+    if append is None:
+        # Pointers of the token's buffers are never touched with APPEND off.
+        new_k = new_v = positions = token_positions = m_part
+        append_strides = (0,) * 6
+        length_strides = (0, 0) if lengths is None else (lengths.stride(0), 0)
+    else:
+        new_k, new_v, positions, token_positions = append
+        append_strides = (*new_k.stride()[:2], *new_v.stride()[:2], *positions.stride()[:2])
+        length_strides = lengths.stride()
     # Pointers of the score's buffers (T, TREF, BEST, ARRIVED) are never touched with SCORE off.
     _partial_kernel[(batch * kv_heads, splits)](
         q, k, v, valid_u8, valid_u8 if lengths is None else lengths, m_part, m_part, m_part, l_part, acc, out,
-        m_part, m_part, *q.stride(), *k.stride(), *v.stride(), *_mask_strides(valid_u8),
-        0 if lengths is None else lengths.stride(0),
+        m_part, m_part, new_k, new_v, positions, token_positions, arrivals if combine else m_part,
+        *q.stride(), *k.stride(), *v.stride(), *_mask_strides(valid_u8), *length_strides, *append_strides,
         slots, 1, chunk, splits, scale * LOG2E,
-        KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=max(16, triton.next_power_of_2(q_heads // kv_heads)),
+        KV_HEADS=kv_heads, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_N=config.block_n,
         ONE_SPLIT=splits == 1, SCRATCH_FP16=False, FP32_DOT=fp32_dot, PREFETCH=config.prefetch,
         VNORM_MMA=False, KV_EVICT="evict_first" if config.l2_hints else "", T_EVICT="",
         SCORE=False, BOUNDED=lengths is not None, VNORM=False, SELECTIONS=1,
+        COMBINE=combine, APPEND=append is not None, SPLITS_PAD=splits_pad,
+        HEAD_TILE=_head_tile(group, splits_pad, head_dim_pad),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if splits == 1:
+    if splits == 1 or combine:
         return out
     # The combine spread over about 4 programs per multiprocessor: at batch 1 one program per head.
     parts = max(1, min(q_heads, triton.cdiv(4 * sms, batch)))
     heads_per_part = triton.cdiv(q_heads, parts)
-    splits_pad = triton.next_power_of_2(splits)
     _combine_kernel[(batch, triton.cdiv(q_heads, heads_per_part))](
         m_part, l_part, acc, out, heads_per_part, splits,
         Q_HEADS=q_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=splits_pad,
@@ -837,4 +989,5 @@ def flash_decode(
     return out
 
 
-__all__ = ["SCORES", "LaunchConfig", "default_config", "flash_decode", "longflow_attention", "scored_attention"]
+__all__ = ["SCORES", "LaunchConfig", "append_decode", "default_config", "flash_decode", "longflow_attention",
+           "scored_attention"]
