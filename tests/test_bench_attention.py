@@ -1,12 +1,20 @@
-"""The attention microbenchmark's CPU-side parts: the memory floor, the CSV round trip, `--replot`."""
+"""The attention microbenchmark's CPU-side parts: the memory floor, the CSV round trip, `--replot`, and
+vanilla's two step forms (in Triton's interpreter) attending as the softmax over the cache says."""
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
 
-from evals.bench import attention as bench_attention
-from longflow.errors import UserError
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from helpers import filled_attention  # noqa: E402
+
+from evals.bench import attention as bench_attention  # noqa: E402
+from longflow.errors import UserError  # noqa: E402
 
 
 def grid_rows() -> list[dict]:
@@ -47,3 +55,22 @@ def test_replot_redraws_the_figure_from_the_csv(tmp_path, capsys):
 def test_timing_without_a_gpu_says_so():
     with pytest.raises(UserError, match="needs a CUDA GPU"):
         bench_attention.main(["--quick"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="small shapes for Triton's interpreter")
+def test_vanilla_steps_write_the_last_slot_and_attend_over_the_cache(monkeypatch):
+    """Both forms of `STEPS`, called twice on one input set: each call writes the token at the last slot
+    (the cache's own last key and value) and returns the softmax over the valid slots before it, and the
+    token in one launch (the three launches, as vanilla's `decode`, read up to next_slot, which stays at
+    the last slot)."""
+    monkeypatch.setattr(bench_attention, "Q_HEADS", 4)
+    monkeypatch.setattr(bench_attention, "KV_HEADS", 2)
+    monkeypatch.setattr(bench_attention, "HEAD_DIM", 16)
+    monkeypatch.setattr(bench_attention, "DTYPE", torch.float32)
+    q, k, v, valid = bench_attention.make_cache(2, 100, torch.device("cpu"))
+    for method, read in zip(bench_attention.STEPS, (99, 100), strict=True):
+        expected = filled_attention(q, k, v, valid, torch.full((2,), read), 16**-0.5)
+        call, backend = bench_attention.method_calls(method, q, k.clone(), v.clone(), valid)
+        assert backend == "triton"
+        for _ in range(2):
+            torch.testing.assert_close(call().double(), expected, rtol=1e-5, atol=1e-5)

@@ -18,6 +18,11 @@ Methods, on the same random cache at Qwen3-8B shapes (32 query heads, 8 KV heads
   - `longflow_fused`: the Triton kernel (`longflow.kernels.longflow_attention`).
   - `longflow_reference`: its plain PyTorch reference.
   - `flash_decode`: vanilla's decode attention (`longflow.kernels.flash_decode`), every slot filled.
+Timed only when named in `--methods` (not in Figure 1): vanilla's whole step of one layer at a full
+cache, the token written at the last slot (where a row that has filled its cache keeps writing)
+and the attention over the slots before it and the token, as
+  - `vanilla_step`: the slot-write kernel, `flash_decode` and its combine (three launches), or
+  - `vanilla_step_one_launch`: `longflow.kernels.append_decode` (one launch; `method.one_launch`).
 The policies see about 3% invalid slots (left padding). Timing: the calls of one method on several
 input sets (enough sets to hold over 3x the L2 cache, so each replay reads from memory, as a real
 decode step does) are captured in one CUDA graph; the time per call is the median over graph
@@ -49,6 +54,7 @@ Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B
 DTYPE = torch.bfloat16
 METHODS = ("sdpa", "sdpa_packed", "sdpa_cudnn", "h2o", "longflow_fused", "longflow_reference", "flash_decode")
 KERNELS = ("longflow_fused", "flash_decode")  # the project's kernels, each shown as a ratio to the best SDPA
+STEPS = ("vanilla_step", "vanilla_step_one_launch")  # timed on request only
 FIGURE_POINT = (128, 3200)  # the paper's Figure 1: batch 128, 3200 slots
 ROTATION_BYTES = 192 * 2**20  # input sets per timing hold at least this much (H200 L2: 60 MB)
 REPLAYS = 30
@@ -183,6 +189,31 @@ def h2o_call(q, k, v, valid):
     return step
 
 
+def vanilla_step_call(q, k, v, valid, one_launch: bool):
+    """Vanilla's step of one layer (`STEPS`): every call writes its token at the last slot, where next_slot
+    stays, so that each call reads the same bytes (the three launches read up to next_slot, the slots
+    before the token; one launch those and the token, from registers)."""
+    from longflow.kernels import append_decode, flash_decode, write_token
+
+    batch, kv_heads, slots, _ = k.shape
+    device, scale = k.device, HEAD_DIM**-0.5
+    valid3d = valid[:, None, :].expand(batch, kv_heads, slots).contiguous()
+    positions = torch.zeros(batch, kv_heads, slots, dtype=torch.long, device=device)
+    next_slot = torch.full((batch, kv_heads), slots - 1, dtype=torch.long, device=device)
+    token_positions = torch.full((batch,), slots - 1, dtype=torch.long, device=device)
+    new_k, new_v = k[:, :, -1:].clone(), v[:, :, -1:].clone()
+    arrivals = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+    if one_launch:
+        return lambda: append_decode(q, new_k, new_v, k, v, valid3d, positions, next_slot, token_positions, arrivals,
+                                     scale)
+
+    def step():
+        write_token(k, v, valid3d, positions, next_slot, new_k, new_v, token_positions, advance=True)
+        return flash_decode(q, k, v, valid3d[:, 0], next_slot[:, 0], scale)
+
+    return step
+
+
 def floor_bytes(batch: int, slots: int) -> int:
     """K and V read once, the mask once, q read and out written."""
     return 2 * batch * KV_HEADS * slots * HEAD_DIM * 2 + batch * slots + 2 * batch * Q_HEADS * HEAD_DIM * 2
@@ -198,6 +229,8 @@ def method_calls(method: str, q, k, v, valid):
     if method == "flash_decode":
         filled = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
         return (lambda: flash_decode(q, k, v, valid, filled, scale)), "triton"
+    if method in STEPS:
+        return vanilla_step_call(q, k, v, valid, one_launch=method == "vanilla_step_one_launch"), "triton"
     if method == "h2o":
         return h2o_call(q, k, v, valid), "torch"
     if method == "longflow_fused":
@@ -359,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     parser.add_argument("--slots", type=int, nargs="+", default=[1024, 3200, 8192])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + STEPS)
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help="batches 1 and 128 at 3200 slots only")
     parser.add_argument("--sweep", action="store_true", help="time launch-config variants instead")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+import yaml
 
 from evals.configs import method_config, model_spec
 from longflow.config import EngineConfig, VerifyConfig
@@ -48,8 +49,18 @@ def run(main: Callable[[], object]) -> None:
 
 def method_policy(method: str, budget: int | None) -> KVPolicy:
     """The policy of `conf/method/<method>.yaml` at `budget` KV slots; a method that takes no budget
-    (the full cache) drops it, so `policy.budget` is the budget a row records."""
-    return build_policy(method_config(method), budget)
+    (the full cache) drops it, so `policy.budget` is the budget a row records.
+
+    `method` may set fields after colons, `vanilla:one_launch=true` (values read as YAML),
+    so that one process times two forms of a method against each other; the row keeps the string."""
+    name, *fields = method.split(":")
+    config = method_config(name)
+    for field in fields:
+        key, equals, value = field.partition("=")
+        if not equals or not key:
+            raise UserError(f"method {method!r}: {field!r} is not a field=value pair")
+        config[key] = yaml.safe_load(value)
+    return build_policy(config, budget)
 
 
 def bench_engine(model, policy: KVPolicy, verify: VerifyConfig | None = None, **config) -> Engine:
