@@ -6,7 +6,8 @@ plain string there. Such a kernel passes CI and fails on the first GPU that laun
 functions are called on small CPU tensors at Qwen3-8B's head shapes, with the kernels defined for the
 compiler (TRITON_INTERPRET=0 before import) and their launches recorded instead of run; each distinct
 launch is then specialised as Triton specialises a real one (pointers and integers divisible by 16,
-integers equal to 1 made constants) and compiled to a cubin for sm_90 by Triton's own ptxas.
+integers equal to 1 made constants) and compiled to a cubin for sm_90 by Triton's own ptxas, whose
+shared memory must fit one program there (a launch would fail otherwise).
 
 Run as a script (`tests/test_kernels_compile.py` does, in a process of its own): it prints one JSON
 object, the kernels compiled and how many launches of each, and exits non-zero on a compile error.
@@ -30,6 +31,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 import longflow.kernels  # noqa: E402, F401  (defines every kernel for the compiler)
 
 TARGET = GPUTarget("cuda", 90, 32)
+SHARED_BYTES = 232448  # the most shared memory one program may take on sm_90 (227 KB); more fails at launch
 SMS, L2_BYTES = 132, 50 * 2**20  # an H100/H200, so that the launch configurations are the GPU's
 POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
                  torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
@@ -106,7 +108,8 @@ def specialise(kernel: JITFunction, arguments: dict) -> tuple[dict, dict, dict]:
 
 
 def compile_launches(launches) -> dict[str, int]:
-    """Compiles each distinct launch for sm_90; the count of distinct launches per kernel."""
+    """Compiles each distinct launch for sm_90 and checks that its shared memory fits a program; the
+    count of distinct launches per kernel."""
     seen, counts = set(), {}
     for kernel, arguments, options in launches:
         signature, constexprs, attrs = specialise(kernel, arguments)
@@ -116,8 +119,11 @@ def compile_launches(launches) -> dict[str, int]:
         if key in seen:
             continue
         seen.add(key)
-        triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
-                       options=options)
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                                  options=options)
+        if compiled.metadata.shared > SHARED_BYTES:
+            raise RuntimeError(f"{name} {options} takes {compiled.metadata.shared} bytes of shared memory, "
+                               f"more than sm_90's {SHARED_BYTES}")
         counts[name] = counts.get(name, 0) + 1
     return counts
 
