@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from longflow.errors import UserError
-from longflow.kernels import longflow_attention, reference
+from longflow.kernels import reference, scored_attention
 from longflow.policy import VARIANTS, FusedScore, KVPolicy, Observation, one_of, overrides
 from longflow.selection import sink_mask
 from longflow.snapkv import snapkv_scores
@@ -99,21 +99,26 @@ class LongFlowPolicy(KVPolicy):
         slots = self.layers[layer]
         # One shared selection: every KV head of `valid` and `positions` holds the same row.
         protect = self._protected(slots.positions[:, 0], self.positions)  # [B, S] or None
-        attention = self._attention(q)
-        out, next_slot = attention(q, slots.keys, slots.values, slots.valid[:, 0], scale, protect=protect)
-        self.next_slot[layer].copy_(next_slot[:, None].expand_as(self.next_slot[layer]))
-        return out
+        next_slot = self.next_slot[layer]  # [B, Hkv]
+        if not self._on_kernel(q):
+            out, chosen = reference(q, slots.keys, slots.values, slots.valid[:, 0], scale, protect=protect)
+            next_slot.copy_(chosen[:, None].expand_as(next_slot))
+            return out
+        # `longflow.kernels.longflow_attention`'s two launches, with the chosen slot written into every KV head's entry
+        # by the kernel itself: a copy launch less per layer (36 a step, 0.05 ms at batch 128 in the
+        # profile at d2bc528, `results/engine/profile_decode_b128_d2bc528.csv`).
+        return scored_attention(q, slots.keys, slots.values, slots.valid[:, 0], next_slot, scale, score="longflow",
+                                protect=protect)
 
     def fused_score(self, q: torch.Tensor) -> FusedScore | None:
         """`score` per KV head (`granularity: kv_head`) in the fused kernel, as `decode` picks it."""
-        if self._attention(q) is reference or overrides(self, LongFlowPolicy, ("score",)):
+        if not self._on_kernel(q) or overrides(self, LongFlowPolicy, ("score",)):
             return None
         return FusedScore("longflow")
 
-    def _attention(self, q: torch.Tensor):
-        if self.use_kernel == "reference" or (self.use_kernel == "auto" and not q.is_cuda):
-            return reference
-        return longflow_attention
+    def _on_kernel(self, q: torch.Tensor) -> bool:
+        """Whether `use_kernel` picks the Triton kernel for a step on q's device (else the reference)."""
+        return not (self.use_kernel == "reference" or (self.use_kernel == "auto" and not q.is_cuda))
 
     def score(self, obs: Observation) -> torch.Tensor:
         """sum over query heads h and dims d of |p_hj v_j,d|: per KV head (its G query heads) for
