@@ -9,8 +9,10 @@ launch is then specialised as Triton specialises a real one (pointers and intege
 integers equal to 1 made constants) and compiled to a cubin for sm_90 by Triton's own ptxas, whose
 shared memory must fit one program there (a launch would fail otherwise).
 
-Run as a script (`tests/test_kernels_compile.py` does, in a process of its own): it prints one JSON
-object, the kernels compiled and how many launches of each, and exits non-zero on a compile error.
+Run as a script, by its path (`tests/test_kernels_compile.py` does, in a process of its own): imported as
+`helpers.sm90` it would load `helpers/__init__`, which defines the kernels for the interpreter first. It
+prints one JSON object, the kernels compiled and how many launches of each, and exits non-zero on a
+compile error.
 """
 
 from __future__ import annotations
