@@ -60,7 +60,7 @@ def test_vanilla_flash_decoding_under_graphs_equals_eager_and_hf(tiny_cuda):
 def test_append_decode_replays_step_after_step(batch):
     """One captured `append_decode` at Qwen3-8B's head shapes, replayed 40 times: each replay writes a
     new token after the row's last and attends over them all. At batch 1 each KV head's slots are split
-    over about 33 programs, whose last one combines them: the output of every replay is checked against
+    over 32 programs, whose last one combines them: the output of every replay is checked against
     the softmax over the slots written so far, and the counters are back at 0 after each."""
     gen = torch.Generator(device="cuda").manual_seed(4)
     slots, heads, kv_heads, dim = 2048, 32, 8, 128
