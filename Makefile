@@ -12,10 +12,11 @@ ENV := $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.4' || echo 'torch==2.13.0')
 # The GPU image this project is measured on ships transformers 5.17: pin it for identical numerics.
 TRANSFORMERS ?= transformers==5.17.0
-# ... and Triton 3.6 (torch 2.11's). Machines without a GPU also get it, in $(VENV)/gpu-triton beside the
-# installed Triton, so that tests/test_kernels_compile.py compiles every kernel for sm_90 with both: the
-# interpreter the CPU tests run the kernels through accepts code that a compiler may refuse.
-GPU_TRITON ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || echo 'triton==3.6.0')
+# ... and Triton 3.6 (torch 2.11's). Linux x86-64 machines without a GPU also get it, in $(VENV)/gpu-triton
+# beside the installed Triton, so that tests/test_kernels_compile.py compiles every kernel for sm_90 with
+# both: the interpreter the CPU tests run the kernels through accepts code that a compiler may refuse.
+# (Triton has no macOS build: there the kernels are not compiled, and not installed.)
+GPU_TRITON ?= $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo 'triton==3.6.0')
 
 RUNS ?= results/runs
 # Table 1's baselines: lf_repo (the LongFlow authors' implementations, the paper's numbers) or paper
