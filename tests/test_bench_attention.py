@@ -15,6 +15,7 @@ from helpers import filled_attention  # noqa: E402
 
 from evals.bench import attention as bench_attention  # noqa: E402
 from longflow.errors import UserError  # noqa: E402
+from longflow.kernels.longflow_attention import LaunchConfig  # noqa: E402
 
 
 def grid_rows() -> list[dict]:
@@ -74,3 +75,8 @@ def test_vanilla_steps_write_the_last_slot_and_attend_over_the_cache(monkeypatch
         assert backend == "triton"
         for _ in range(2):
             torch.testing.assert_close(call().double(), expected, rtol=1e-5, atol=1e-5)
+    # `--sweep-step`'s configurations reach the one launch
+    call = bench_attention.vanilla_step_call(q, k.clone(), v.clone(), valid, one_launch=True,
+                                             config=LaunchConfig(block_n=16, splits=5))
+    torch.testing.assert_close(call().double(), filled_attention(q, k, v, valid, torch.full((2,), 100), 16**-0.5),
+                               rtol=1e-5, atol=1e-5)

@@ -3,6 +3,7 @@
     python -m evals.bench.attention [--batches 1 16 64 128] [--slots 1024 3200 8192] [--out results/]
     python -m evals.bench.attention --quick      # batches 1 and 128 at 3200 slots
     python -m evals.bench.attention --sweep      # time LaunchConfig variants of the fused kernel
+    python -m evals.bench.attention --sweep-step --batches 1   # ... of vanilla's one-launch step
     python -m evals.bench.attention --replot results/fig1.csv   # redraw fig1.png from a CSV (CPU)
 
 Methods, on the same random cache at Qwen3-8B shapes (32 query heads, 8 KV heads, head dim 128, bf16):
@@ -189,7 +190,7 @@ def h2o_call(q, k, v, valid):
     return step
 
 
-def vanilla_step_call(q, k, v, valid, one_launch: bool):
+def vanilla_step_call(q, k, v, valid, one_launch: bool, config=None):
     """Vanilla's step of one layer (`STEPS`): every call writes its token at the last slot, where next_slot
     stays, so that each call reads the same bytes (the three launches read up to next_slot, the slots
     before the token; one launch those and the token, from registers)."""
@@ -205,11 +206,11 @@ def vanilla_step_call(q, k, v, valid, one_launch: bool):
     arrivals = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
     if one_launch:
         return lambda: append_decode(q, new_k, new_v, k, v, valid3d, positions, next_slot, token_positions, arrivals,
-                                     scale)
+                                     scale, config=config)
 
     def step():
         write_token(k, v, valid3d, positions, next_slot, new_k, new_v, token_positions, advance=True)
-        return flash_decode(q, k, v, valid3d[:, 0], next_slot[:, 0], scale)
+        return flash_decode(q, k, v, valid3d[:, 0], next_slot[:, 0], scale, config=config)
 
     return step
 
@@ -379,6 +380,29 @@ def sweep(device: torch.device, points) -> None:
         sweep_point(batch, slots, device)
 
 
+def step_sweep(device: torch.device, points) -> None:
+    """Times `append_decode`'s launch configurations (`vanilla_step_one_launch`) at each shape against the
+    three launches under the heuristic's, each configuration and the three launches in turns."""
+    from dataclasses import replace
+
+    from longflow.kernels.longflow_attention import _l2_bytes, _multiprocessors, default_config
+
+    print(f"{'batch':>5} {'slots':>5} {'three':>8} {'one':>8} {'x_three':>7}  config")
+    for batch, slots in points:
+        sets = cache_sets(batch, slots, device)
+        base = default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, _multiprocessors(device), _l2_bytes(device))
+        variants = [base, *(replace(base, splits=max(1, base.splits * n // 4)) for n in (1, 2, 8)),
+                    replace(base, block_n=32), replace(base, block_n=128), replace(base, num_warps=2),
+                    replace(base, num_warps=8), replace(base, num_stages=2)]
+        for config in dict.fromkeys(variants):
+            times = interleaved_ms({
+                "three": [vanilla_step_call(*inputs, one_launch=False) for inputs in sets],
+                "one": [vanilla_step_call(*inputs, one_launch=True, config=config) for inputs in sets]})
+            print(f"{batch:>5} {slots:>5} {times['three']:>8.4f} {times['one']:>8.4f} "
+                  f"{times['one'] / times['three']:>7.3f}  {config}", flush=True)
+        torch.cuda.empty_cache()
+
+
 def read_csv(path: Path) -> list[dict]:
     """Rows of a `fig1.csv` with their numbers parsed (for `--replot`)."""
     numbers = {"batch": int, "slots": int, "input_sets": int, "ms": float, "floor_ms": float,
@@ -396,6 +420,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help="batches 1 and 128 at 3200 slots only")
     parser.add_argument("--sweep", action="store_true", help="time launch-config variants instead")
+    parser.add_argument("--sweep-step", action="store_true",
+                        help="time launch-config variants of vanilla's one-launch step against its three launches")
     parser.add_argument("--replot", type=Path, metavar="CSV",
                         help="redraw the figure (next to the CSV) and the table from a fig1.csv; no GPU needed")
     args = parser.parse_args(argv)
@@ -409,8 +435,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda")
     if args.quick:
         args.batches, args.slots = [1, 128], [3200]
-    if args.sweep:
-        sweep(device, list(itertools.product(args.batches, args.slots)))
+    if args.sweep or args.sweep_step:
+        (step_sweep if args.sweep_step else sweep)(device, list(itertools.product(args.batches, args.slots)))
         return
     if "sdpa" not in args.methods:
         args.methods.insert(0, "sdpa")  # every ratio is to SDPA
