@@ -913,9 +913,9 @@ def append_decode(
         raise ValueError(f"token_positions must be a contiguous [{batch}] int64 tensor, got "
                          f"{token_positions.dtype} {tuple(token_positions.shape)}")
     _check_arrivals(arrivals, batch * kv_heads, q.device)
-    others = (new_k, new_v, positions, next_slot, token_positions)
-    if any(tensor.device != q.device for tensor in others):
-        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in (q, *others)]}")
+    tensors = (q, new_k, new_v, positions, next_slot, token_positions)
+    if len({tensor.device for tensor in tensors}) != 1:
+        raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in tensors]}")
     return _decode_pass(q, keys, values, valid, next_slot, scale, config, arrivals,
                         append=(new_k, new_v, positions, token_positions))
 
