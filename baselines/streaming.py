@@ -45,9 +45,9 @@ from typing import ClassVar
 import torch
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation
+from longflow.policy import CacheSpec, KVPolicy, Observation, overrides
 from longflow.rotary import rotate_half
-from longflow.selection import sink_mask
+from longflow.selection import choose_next, sink_mask
 
 
 def sink_rerotation(rotary, window: int, n_sink: int, dtype: torch.dtype,
@@ -117,6 +117,20 @@ class StreamingPolicy(KVPolicy):
     def protected(self, obs: Observation) -> torch.Tensor:
         """The sinks (free slots, position -1, come out True and stay free)."""
         return sink_mask(obs.positions, self.sinks)
+
+    def choose_next_slot(self, layer: int, probs: torch.Tensor | None = None) -> None:
+        """The base class's rule (`score`, `protected`) on KV head 0, written to every head: every head
+        holds the same positions in the same slots (`shared_selection`), so their choices are one. The
+        rule then reads 1/Hkv of the positions (int64) and validity it would read over all heads, in a
+        step that runs it in every layer."""
+        slots = self.layers[layer]
+        # Per-head capacities make the heads' slots differ; a subclass's own score or protection is its own.
+        if slots.usable is not None or overrides(self, StreamingPolicy, ("score", "protected")):
+            super().choose_next_slot(layer, probs)
+            return
+        positions = slots.positions[:, :1]  # [B, 1, S]
+        chosen = choose_next(positions, slots.valid[:, :1], sink_mask(positions, self.sinks))  # [B, 1]
+        self.next_slot[layer].copy_(chosen.expand_as(self.next_slot[layer]))
 
 
 @dataclass(eq=False)

@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from baselines.streaming import StreamingLfRepoPolicy, StreamingPolicy, sink_rerotation
 from longflow.errors import UserError
 from longflow.methods import locate
-from longflow.policy import CacheSpec
+from longflow.policy import CacheSpec, KVPolicy
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method" / "streaming.yaml"
 
@@ -105,6 +105,36 @@ def test_ties_and_free_slots():
     slots.positions[0, 0, 4] = -1
     policy.choose_next_slot(0)
     assert policy.next_slot[0].item() == 4  # free slots first
+
+
+def test_head_zero_chooses_as_the_rule_over_every_head():
+    """`choose_next_slot` reads KV head 0 only. On random states shared by every head (positions in any
+    slot order, free slots, sinks), each head gets the slot that the base class's rule over all heads
+    gives; a subclass with its own score goes through that score."""
+    generator = torch.Generator().manual_seed(0)
+    batch, kv_heads, budget = 4, 3, 10
+    spec = CacheSpec(batch=batch, layers=1, q_heads=6, kv_heads=kv_heads, head_dim=4, prompt_len=4,
+                     max_new_tokens=8, dtype=torch.float32, device=torch.device("cpu"))
+
+    class Newest(StreamingPolicy):
+        def score(self, obs):
+            return -obs.positions
+
+    for cls in (StreamingPolicy, Newest):
+        policy = cls(budget, n_sink=2)
+        policy.allocate(spec)
+        slots = policy.layers[0]
+        for _ in range(20):
+            positions = torch.stack([torch.randperm(budget, generator=generator) for _ in range(batch)])
+            valid = torch.rand(batch, budget, generator=generator) < 0.8
+            valid[0] = True  # a full row: the oldest non-sink goes
+            slots.positions.copy_(positions.masked_fill(~valid, -1)[:, None].expand(-1, kv_heads, -1))
+            slots.valid.copy_(valid[:, None].expand(-1, kv_heads, -1))
+            policy.choose_next_slot(0)
+            chosen = policy.next_slot[0].clone()
+            KVPolicy.choose_next_slot(policy, 0)
+            assert torch.equal(chosen, policy.next_slot[0])
+            assert (chosen == chosen[:, :1]).all()
 
 
 def test_config_and_validation():
