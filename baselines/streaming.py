@@ -118,6 +118,11 @@ class StreamingPolicy(KVPolicy):
         """The sinks (free slots, position -1, come out True and stay free)."""
         return sink_mask(obs.positions, self.sinks)
 
+    def compresses_within(self, prompt_tokens: int, total_tokens: int, spec: CacheSpec) -> bool:
+        """The base rule: `choose_next_slot` below is the base class's selection on one head, which every
+        head shares, so a sequence that fits is held whole as the base rule says."""
+        return not self.holds_every_token(prompt_tokens, total_tokens, spec)
+
     def choose_next_slot(self, layer: int, probs: torch.Tensor | None = None) -> None:
         """The base class's rule (`score`, `protected`) on KV head 0, written to every head: every head
         holds the same positions in the same slots (`shared_selection`), so their choices are one. The
