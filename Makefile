@@ -62,7 +62,10 @@ test-fast: $(ENV)  ## without the end-to-end runs marked slow
 # last step compares it with (tests/test_demo.py).
 DEMO := build/demo
 REPORT := $(PY) -m evals.report
+# Each demo starts from nothing: runs that other code made (a demo before an update) would be refused,
+# not resumed (evals.run's `overwrite`, `allow_code_change`), and the demo takes minutes.
 demo: $(ENV)  ## the canary model on 16 canary items, CPU: every method at three KV budgets, fidelity at the smallest; tables, plots
+	rm -rf $(DEMO)
 	$(PY) -m evals.run -m experiment=demo results_dir=$(DEMO)/runs
 	$(PY) -m evals.run -m experiment=demo budget=96 fidelity=true method=streaming,h2o,vatp,rkv,longflow \
 		results_dir=$(DEMO)/runs
@@ -76,6 +79,7 @@ demo: $(ENV)  ## the canary model on 16 canary items, CPU: every method at three
 
 DEMO_SWEEP := build/demo_sweep
 demo-sweep: $(ENV)  ## the paper's figure layouts on the demo: two tiny models, every method at two budgets
+	rm -rf $(DEMO_SWEEP)
 	$(PY) -m evals.run -m model=tiny_qwen3,tiny_llama dataset=demo device=cpu generation.max_new_tokens=128 \
 		method=vanilla,streaming,h2o,vatp,rkv,longflow budget=48,96 limit=3 results_dir=$(DEMO_SWEEP)/runs
 	$(REPORT).table --runs $(DEMO_SWEEP)/runs --out $(DEMO_SWEEP)/table --stderr

@@ -26,8 +26,8 @@ def git(*args: str) -> subprocess.CompletedProcess:
 
 
 def written_paths(commands: str) -> list[str]:
-    """The paths a printed make recipe writes: every results_dir=, --out and -out argument."""
-    return re.findall(r"(?:results_dir=|--out )(\S+)", commands)
+    """The paths a printed make recipe writes or deletes: every results_dir=, --out and rm -rf argument."""
+    return re.findall(r"(?:results_dir=|--out |rm -rf )(\S+)", commands)
 
 
 @pytest.mark.skipif(shutil.which("make") is None or shutil.which("git") is None, reason="needs make and git")
