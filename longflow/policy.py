@@ -59,7 +59,7 @@ from longflow.attention import decode_attention, masked_decode_attention, prefil
 from longflow.errors import UserError
 from longflow.history import QueryHistory
 from longflow.kernels import flash_decode, scored_attention
-from longflow.selection import choose_keep, choose_next, chosen_mask, first_free, selection_keys
+from longflow.selection import choose_keep, choose_next, chosen_mask, selection_keys
 from longflow.slots import LayerSlots, SlotCache, SlotState
 from longflow.snapkv import snapkv_scores
 
@@ -640,7 +640,10 @@ class KVPolicy:
         """
         if self.prefilling:
             return k, v
-        self.slots.write(layer, k, v, self.positions, advance=self.fills_in_order)
+        # An interval method's next slot is the first free one; the write's kernel finds it (`decode` has
+        # nothing left to choose).
+        self.slots.write(layer, k, v, self.positions, advance=self.fills_in_order,
+                         find_free=self.schedule == "interval")
         slots = self.layers[layer]
         return slots.keys, slots.values
 
@@ -671,9 +674,7 @@ class KVPolicy:
             self.choose_next_slot(layer, probs)
             return out
         out = self.attention_only(q, slots, scale)
-        if self.schedule == "interval":
-            self.next_slot[layer].copy_(first_free(slots.valid, slots.usable))
-        else:
+        if self.schedule != "interval":  # an interval method's write has moved next_slot to the first free slot
             self.choose_next_slot(layer)
         return out
 

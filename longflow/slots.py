@@ -107,11 +107,12 @@ class SlotCache:
     # ---- writes --------------------------------------------------------------------------------
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-              advance: bool = False) -> None:
+              advance: bool = False, find_free: bool = False) -> None:
         """A decode token into `next_slot[layer]`: k, v `[B, Hkv, 1, D]`, positions `[B]`. Static, no sync.
 
         `advance`: then the next slot is the following one, at most the last (a cache filled in
-        order, whose method has nothing to choose).
+        order, whose method has nothing to choose); `find_free`: the lowest free slot (`first_free`,
+        an interval method's between its compressions).
         """
         slots = self.layers[layer]
         index = self.next_slot[layer]  # [B, Hkv]
@@ -121,7 +122,8 @@ class SlotCache:
         if k.is_cuda and k.stride(-1) == 1 and v.stride(-1) == 1:
             # One kernel for the four writes below (launches, not bytes, are their cost); CUDA
             # implies Linux, where Triton is installed.
-            write_token(slots.keys, slots.values, slots.valid, slots.positions, index, k, v, positions, advance)
+            write_token(slots.keys, slots.values, slots.valid, slots.positions, index, k, v, positions, advance,
+                        find_free, slots.usable)
         else:
             batch, kv_heads, _, head_dim = k.shape
             where = index[..., None, None].expand(batch, kv_heads, 1, head_dim)
@@ -131,6 +133,8 @@ class SlotCache:
             slots.positions.scatter_(2, index[..., None], positions[:, None, None].expand(-1, kv_heads, 1))
             if advance:
                 torch.clamp(index + 1, max=slots.slots - 1, out=index)
+            elif find_free:
+                index.copy_(first_free(slots.valid, slots.usable))
 
     def store_prompt(self, layer: int, k: torch.Tensor, v: torch.Tensor, kept: torch.Tensor | int,
                      pad: torch.Tensor, positions: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from longflow.kernels.slot_write import write_token  # noqa: E402
+from longflow.selection import first_free  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -71,3 +72,35 @@ def test_a_strided_last_dim_is_refused():
     with pytest.raises(ValueError, match="contiguous last dim"):
         write_token(keys, values, valid, positions, torch.zeros(1, 2, dtype=torch.long, device=DEVICE), k, k,
                     torch.zeros(1, dtype=torch.long, device=DEVICE))
+
+
+@pytest.mark.parametrize("slots", [10, 2500])  # 2500: the search runs over three blocks of 1024
+@pytest.mark.parametrize("with_usable", [False, True])
+def test_find_free_moves_each_next_slot_to_the_first_free_slot_after_the_write(slots, with_usable):
+    """`find_free`: `longflow.selection.first_free` over the cache as the write leaves it, per row and KV
+    head (within the head's usable slots), 0 where none is free; holes anywhere, a head filled in order
+    whose free slots start past the first block, and a full head."""
+    batch, kv_heads = 2, 3
+    keys, values, valid, positions = buffers(batch, kv_heads, slots, 8, torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    valid[0, 1] = torch.arange(slots, device=DEVICE) < slots - 3  # in order: free from slots - 3 on
+    valid[1, 2] = True  # full once the write lands
+    next_slot = torch.randint(0, slots, (batch, kv_heads), generator=gen).to(DEVICE)
+    next_slot[0, 1] = slots - 3
+    usable = None
+    if with_usable:
+        usable = torch.rand(kv_heads, slots, generator=gen).to(DEVICE) < 0.7
+        usable[1] = True
+    k = torch.randn(batch, kv_heads, 1, 8, device=DEVICE)
+    write_token(keys, values, valid, positions, next_slot, k, k, torch.tensor([3, 9], device=DEVICE),
+                find_free=True, usable=usable)
+    assert torch.equal(next_slot, first_free(valid, usable))
+    assert next_slot[0, 1] == slots - 2 and next_slot[1, 2] == 0
+
+
+def test_advance_and_find_free_are_one_rule_or_the_other():
+    keys, values, valid, positions = buffers(1, 2, 4, 8, torch.float32, seed=0)
+    k = torch.randn(1, 2, 1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="take one"):
+        write_token(keys, values, valid, positions, torch.zeros(1, 2, dtype=torch.long, device=DEVICE), k, k,
+                    torch.zeros(1, dtype=torch.long, device=DEVICE), advance=True, find_free=True)

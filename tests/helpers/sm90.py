@@ -172,6 +172,9 @@ def host_calls() -> None:
         append_decode(q, token, token, keys, values, valid, positions, next_slot, token_positions, arrivals)
         write_token(keys, values, valid, positions, next_slot, token, token, token_positions)
         write_token(keys, values, valid, positions, next_slot, token, token, token_positions, advance=True)
+        write_token(keys, values, valid, positions, next_slot, token, token, token_positions, find_free=True)
+        write_token(keys, values, valid, positions, next_slot, token, token, token_positions, find_free=True,
+                    usable=valid[0])
         inverse_norms, _ = similarity_sums(keys, valid)
         newest_duplicates(keys, inverse_norms, 0.5)
         window = torch.randn(batch, q_heads, 8, head_dim, dtype=dtype)
