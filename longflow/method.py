@@ -104,9 +104,9 @@ class LongFlowPolicy(KVPolicy):
             out, chosen = reference(q, slots.keys, slots.values, slots.valid[:, 0], scale, protect=protect)
             next_slot.copy_(chosen[:, None].expand_as(next_slot))
             return out
-        # `longflow.kernels.longflow_attention`'s two launches, with the chosen slot written into every KV head's entry
-        # by the kernel itself: a copy launch less per layer (36 a step, 0.05 ms at batch 128 in the
-        # profile at d2bc528, `results/engine/profile_decode_b128_d2bc528.csv`).
+        # `longflow.kernels.longflow_attention`'s two launches, with the chosen slot written into every
+        # KV head's entry by the kernel itself: a copy launch less per layer (36 a step, 0.05 ms at
+        # batch 128 in the profile at d2bc528, `results/engine/profile_decode_b128_d2bc528.csv`).
         return scored_attention(q, slots.keys, slots.values, slots.valid[:, 0], next_slot, scale, score="longflow",
                                 protect=protect)
 

@@ -664,7 +664,8 @@ class KVPolicy:
     # ---- decode ------------------------------------------------------------------------------
 
     def decode(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
-        """q `[B, Hq, D]` -> out `[B, Hq, D]`; sets `next_slot[layer]` for the next step. Static, no sync."""
+        """q `[B, Hq, D]` -> out `[B, Hq, D]`; sets `next_slot[layer]` for the next step (an interval
+        method's write has set it already). Static, no sync."""
         slots = self.layers[layer]
         if self.schedule == "step" and self.step_probs:
             fused = self.fused_score(q)
