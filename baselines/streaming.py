@@ -45,9 +45,9 @@ from typing import ClassVar
 import torch
 
 from longflow.errors import UserError
-from longflow.policy import CacheSpec, KVPolicy, Observation, overrides
+from longflow.policy import CacheSpec, KVPolicy, Observation
 from longflow.rotary import rotate_half
-from longflow.selection import choose_next, sink_mask
+from longflow.selection import sink_mask
 
 
 def sink_rerotation(rotary, window: int, n_sink: int, dtype: torch.dtype,
@@ -115,27 +115,9 @@ class StreamingPolicy(KVPolicy):
         return obs.positions
 
     def protected(self, obs: Observation) -> torch.Tensor:
-        """The sinks (free slots, position -1, come out True and stay free)."""
-        return sink_mask(obs.positions, self.sinks)
-
-    def compresses_within(self, prompt_tokens: int, total_tokens: int, spec: CacheSpec) -> bool:
-        """The base rule: `choose_next_slot` below is the base class's selection on one head, which every
-        head shares, so a sequence that fits is held whole as the base rule says."""
-        return not self.holds_every_token(prompt_tokens, total_tokens, spec)
-
-    def choose_next_slot(self, layer: int, probs: torch.Tensor | None = None) -> None:
-        """The base class's rule (`score`, `protected`) on KV head 0, written to every head: every head
-        holds the same positions in the same slots (`shared_selection`), so their choices are one. The
-        rule then reads 1/Hkv of the positions (int64) and validity it would read over all heads, in a
-        step that runs it in every layer."""
-        slots = self.layers[layer]
-        # Per-head capacities make the heads' slots differ; a subclass's own score or protection is its own.
-        if slots.usable is not None or overrides(self, StreamingPolicy, ("score", "protected")):
-            super().choose_next_slot(layer, probs)
-            return
-        positions = slots.positions[:, :1]  # [B, 1, S]
-        chosen = choose_next(positions, slots.valid[:, :1], sink_mask(positions, self.sinks))  # [B, 1]
-        self.next_slot[layer].copy_(chosen.expand_as(self.next_slot[layer]))
+        """The sinks (free slots, position -1, come out True and stay free), `[n, 1, S]`: every KV head
+        holds the same positions, so one head's mask, broadcast, is every head's."""
+        return sink_mask(obs.positions[:, :1], self.sinks)
 
 
 @dataclass(eq=False)

@@ -47,7 +47,7 @@ import torch
 
 from longflow.errors import UserError
 from longflow.kernels import reference, scored_attention
-from longflow.policy import VARIANTS, FusedScore, KVPolicy, Observation, one_of, overrides
+from longflow.policy import VARIANTS, FusedScore, KVPolicy, Observation, one_of, overrides, triton_decode
 from longflow.selection import sink_mask
 from longflow.snapkv import snapkv_scores
 
@@ -100,7 +100,7 @@ class LongFlowPolicy(KVPolicy):
         # One shared selection: every KV head of `valid` and `positions` holds the same row.
         protect = self._protected(slots.positions[:, 0], self.positions)  # [B, S] or None
         next_slot = self.next_slot[layer]  # [B, Hkv]
-        if not self._on_kernel(q):
+        if not triton_decode(self.use_kernel, q):
             out, chosen = reference(q, slots.keys, slots.values, slots.valid[:, 0], scale, protect=protect)
             next_slot.copy_(chosen[:, None].expand_as(next_slot))
             return out
@@ -112,13 +112,9 @@ class LongFlowPolicy(KVPolicy):
 
     def fused_score(self, q: torch.Tensor) -> FusedScore | None:
         """`score` per KV head (`granularity: kv_head`) in the fused kernel, as `decode` picks it."""
-        if not self._on_kernel(q) or overrides(self, LongFlowPolicy, ("score",)):
+        if not triton_decode(self.use_kernel, q) or overrides(self, LongFlowPolicy, ("score",)):
             return None
         return FusedScore("longflow")
-
-    def _on_kernel(self, q: torch.Tensor) -> bool:
-        """Whether `use_kernel` picks the Triton kernel for a step on q's device (else the reference)."""
-        return not (self.use_kernel == "reference" or (self.use_kernel == "auto" and not q.is_cuda))
 
     def score(self, obs: Observation) -> torch.Tensor:
         """sum over query heads h and dims d of |p_hj v_j,d|: per KV head (its G query heads) for

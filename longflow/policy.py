@@ -716,7 +716,13 @@ class KVPolicy:
         of the step (None: computed from the query history if the score needs them)."""
         slots = self.layers[layer]
         obs = Observation(self, layer, probs=probs)
-        self.next_slot[layer].copy_(choose_next(self.score(obs), slots.valid, self.protected(obs), slots.usable))
+        score, valid, protect, usable = self.score(obs), slots.valid, self.protected(obs), slots.usable
+        if self.shared_selection and usable is None:
+            # One selection for every KV head: the heads hold the same slots and score them alike, so head
+            # 0's choice is every head's, for 1/Hkv of the bytes (this runs eagerly, in every layer).
+            score, valid = score[:, :1], valid[:, :1]
+            protect = None if protect is None else protect[:, :1]
+        self.next_slot[layer].copy_(choose_next(score, valid, protect, usable).expand_as(self.next_slot[layer]))
 
     # ---- prefill -----------------------------------------------------------------------------
 

@@ -14,7 +14,8 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from baselines.streaming import StreamingLfRepoPolicy, StreamingPolicy, sink_rerotation
 from longflow.errors import UserError
 from longflow.methods import locate
-from longflow.policy import CacheSpec, KVPolicy
+from longflow.policy import CacheSpec
+from longflow.selection import choose_next
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "method" / "streaming.yaml"
 
@@ -108,9 +109,9 @@ def test_ties_and_free_slots():
 
 
 def test_head_zero_chooses_as_the_rule_over_every_head():
-    """`choose_next_slot` reads KV head 0 only. On random states shared by every head (positions in any
-    slot order, free slots, sinks), each head gets the slot that the base class's rule over all heads
-    gives; a subclass with its own score goes through that score."""
+    """A shared selection's `choose_next_slot` reads KV head 0 only. On random states shared by every head
+    (positions in any slot order, free slots, sinks), each head gets the slot that `choose_next` gives over
+    that head's own positions, validity and sinks; a subclass with its own score goes through that score."""
     generator = torch.Generator().manual_seed(0)
     batch, kv_heads, budget = 4, 3, 10
     spec = CacheSpec(batch=batch, layers=1, q_heads=6, kv_heads=kv_heads, head_dim=4, prompt_len=4,
@@ -120,7 +121,7 @@ def test_head_zero_chooses_as_the_rule_over_every_head():
         def score(self, obs):
             return -obs.positions
 
-    for cls in (StreamingPolicy, Newest):
+    for cls, sign in ((StreamingPolicy, 1), (Newest, -1)):
         policy = cls(budget, n_sink=2)
         policy.allocate(spec)
         slots = policy.layers[0]
@@ -131,10 +132,8 @@ def test_head_zero_chooses_as_the_rule_over_every_head():
             slots.positions.copy_(positions.masked_fill(~valid, -1)[:, None].expand(-1, kv_heads, -1))
             slots.valid.copy_(valid[:, None].expand(-1, kv_heads, -1))
             policy.choose_next_slot(0)
-            chosen = policy.next_slot[0].clone()
-            KVPolicy.choose_next_slot(policy, 0)
-            assert torch.equal(chosen, policy.next_slot[0])
-            assert (chosen == chosen[:, :1]).all()
+            every_head = choose_next(sign * slots.positions, slots.valid, slots.positions < 2)  # [B, Hkv]
+            assert torch.equal(policy.next_slot[0], every_head)
 
 
 def test_config_and_validation():

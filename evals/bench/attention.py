@@ -342,17 +342,24 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=150)
 
 
+def heuristic_config(batch: int, slots: int, device: torch.device):
+    """The kernels' own `LaunchConfig` at this shape on `device`, the point the sweeps vary around."""
+    from longflow.kernels.longflow_attention import _l2_bytes, _multiprocessors, default_config
+
+    return default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, _multiprocessors(device), _l2_bytes(device))
+
+
 def sweep_point(batch: int, slots: int, device: torch.device) -> None:
     """Times LaunchConfig variants at one shape, one parameter at a time around the heuristic."""
     from dataclasses import replace
 
-    from longflow.kernels.longflow_attention import _l2_bytes, _multiprocessors, _run, default_config
+    from longflow.kernels.longflow_attention import _run
 
     sets = cache_sets(batch, slots, device)
     scale = HEAD_DIM**-0.5
     sdpa_ms = min(graph_ms([sdpa_call(q, k, v, packed, backend)[0] for q, k, v, _ in sets])
                   for packed, backend in ((False, "flash"), (True, "cudnn")))  # the faster, as the grid's ratio
-    base = default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, _multiprocessors(device), _l2_bytes(device))
+    base = heuristic_config(batch, slots, device)
     other = "fp16" if base.scratch == "fp32" else "fp32"
     variants = [base, replace(base, scratch=other), replace(base, l2_hints=False)]
     variants += [replace(base, block_n=32), replace(base, block_n=32, scratch=other)]
@@ -385,12 +392,10 @@ def step_sweep(device: torch.device, points) -> None:
     three launches under the heuristic's, each configuration and the three launches in turns."""
     from dataclasses import replace
 
-    from longflow.kernels.longflow_attention import _l2_bytes, _multiprocessors, default_config
-
     print(f"{'batch':>5} {'slots':>5} {'three':>8} {'one':>8} {'x_three':>7}  config")
     for batch, slots in points:
         sets = cache_sets(batch, slots, device)
-        base = default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, _multiprocessors(device), _l2_bytes(device))
+        base = heuristic_config(batch, slots, device)
         variants = [base, *(replace(base, splits=max(1, base.splits * n // 4)) for n in (1, 2, 8)),
                     replace(base, block_n=32), replace(base, block_n=128), replace(base, num_warps=2),
                     replace(base, num_warps=8), replace(base, num_stages=2)]

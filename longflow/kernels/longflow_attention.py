@@ -63,6 +63,7 @@ import triton.language as tl  # noqa: E402
 
 from longflow.kernels.precision import ieee_products  # noqa: E402
 from longflow.kernels.reductions import reduce_max, reduce_min, reduce_sum  # noqa: E402
+from longflow.kernels.slot_write import check_token_write  # noqa: E402
 
 LOG2E = 1.4426950408889634
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -892,27 +893,9 @@ def append_decode(
     Returns:
         `[B, Hq, D]` in the dtype of q.
     """
-    batch, kv_heads, slots, head_dim = keys.shape
     _check_inputs(q, keys, values, valid[:, 0], None)
-    for name, tensor in (("keys", keys), ("values", values), ("new_k", new_k), ("new_v", new_v)):
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dim, got strides {tensor.stride()}")
-    if new_k.shape != (batch, kv_heads, 1, head_dim) or new_v.shape != new_k.shape:
-        raise ValueError(f"new_k and new_v must be [{batch}, {kv_heads}, 1, {head_dim}], "
-                         f"got {tuple(new_k.shape)}, {tuple(new_v.shape)}")
-    if new_k.dtype != keys.dtype or new_v.dtype != keys.dtype:
-        raise TypeError(f"new_k and new_v must be {keys.dtype}, got {new_k.dtype}, {new_v.dtype}")
-    for name, tensor, dtype in (("valid", valid, torch.bool), ("positions", positions, torch.int64)):
-        if tensor.dtype != dtype or tensor.shape != (batch, kv_heads, slots) or tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must be a [batch, kv_heads, slots] = {(batch, kv_heads, slots)} {dtype} tensor "
-                             f"with contiguous slots, got {tensor.dtype} {tuple(tensor.shape)}")
-    if next_slot.dtype != torch.long or next_slot.shape != (batch, kv_heads):
-        raise ValueError(f"next_slot must be a [batch, kv_heads] = {(batch, kv_heads)} int64 tensor, "
-                         f"got {next_slot.dtype} {tuple(next_slot.shape)}")
-    if token_positions.shape != (batch,) or token_positions.dtype != torch.long or token_positions.stride(0) != 1:
-        raise ValueError(f"token_positions must be a contiguous [{batch}] int64 tensor, got "
-                         f"{token_positions.dtype} {tuple(token_positions.shape)}")
-    _check_arrivals(arrivals, batch * kv_heads, q.device)
+    check_token_write(keys, values, valid, positions, next_slot, new_k, new_v, token_positions, ("new_k", "new_v"))
+    _check_arrivals(arrivals, keys.shape[0] * keys.shape[1], q.device)
     tensors = (q, new_k, new_v, positions, next_slot, token_positions)
     if len({tensor.device for tensor in tensors}) != 1:
         raise ValueError(f"all inputs must be on one device, got {[str(t.device) for t in tensors]}")

@@ -77,6 +77,33 @@ def _write_kernel(
         tl.store(NEXT_SLOT + b * stride_next_b + h * stride_next_h, tl.where(found == slots, 0, found).to(tl.int64))
 
 
+def check_token_write(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
+                      next_slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_positions: torch.Tensor,
+                      token_names: tuple[str, str] = ("k", "v")) -> None:
+    """The inputs of a decode token's write, as `write_token` documents them (`append_decode` writes the
+    same way and calls its token's key and value `token_names`); ValueError or TypeError otherwise."""
+    batch, kv_heads, slots, head_dim = keys.shape
+    k_name, v_name = token_names
+    for name, tensor in (("keys", keys), ("values", values), (k_name, k), (v_name, v)):
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dim, got strides {tensor.stride()}")
+    if k.shape != (batch, kv_heads, 1, head_dim) or v.shape != k.shape:
+        raise ValueError(f"{k_name} and {v_name} must be [{batch}, {kv_heads}, 1, {head_dim}], "
+                         f"got {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.dtype != keys.dtype or v.dtype != keys.dtype:
+        raise TypeError(f"{k_name} and {v_name} must be {keys.dtype}, got {k.dtype}, {v.dtype}")
+    for name, tensor, dtype in (("valid", valid, torch.bool), ("positions", positions, torch.int64)):
+        if tensor.dtype != dtype or tensor.shape != (batch, kv_heads, slots) or tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be a [batch, kv_heads, slots] = {(batch, kv_heads, slots)} {dtype} tensor "
+                             f"with contiguous slots, got {tensor.dtype} {tuple(tensor.shape)}")
+    if next_slot.dtype != torch.long or next_slot.shape != (batch, kv_heads):
+        raise ValueError(f"next_slot must be a [batch, kv_heads] = {(batch, kv_heads)} int64 tensor, "
+                         f"got {next_slot.dtype} {tuple(next_slot.shape)}")
+    if token_positions.shape != (batch,) or token_positions.dtype != torch.long or token_positions.stride(0) != 1:
+        raise ValueError(f"token_positions must be a contiguous [{batch}] int64 tensor, got "
+                         f"{token_positions.dtype} {tuple(token_positions.shape)}")
+
+
 def write_token(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, positions: torch.Tensor,
                 next_slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor, token_positions: torch.Tensor,
                 advance: bool = False, find_free: bool = False, usable: torch.Tensor | None = None) -> None:
@@ -98,18 +125,8 @@ def write_token(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, p
     """
     if advance and find_free:
         raise ValueError("advance and find_free are two rules for the next slot: take one")
+    check_token_write(keys, values, valid, positions, next_slot, k, v, token_positions)
     batch, kv_heads, _, head_dim = keys.shape
-    for name, tensor in (("keys", keys), ("values", values), ("k", k), ("v", v)):
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dim, got strides {tensor.stride()}")
-    for name, tensor in (("valid", valid), ("positions", positions)):
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"{name} needs contiguous slots, got strides {tensor.stride()}")
-    if k.shape != (batch, kv_heads, 1, head_dim) or v.shape != k.shape:
-        raise ValueError(f"k and v must be [{batch}, {kv_heads}, 1, {head_dim}], "
-                         f"got {tuple(k.shape)}, {tuple(v.shape)}")
-    if token_positions.shape != (batch,) or token_positions.stride(0) != 1:
-        raise ValueError(f"token_positions must be a contiguous [{batch}], got {tuple(token_positions.shape)}")
     if usable is not None and (usable.dtype != torch.bool or usable.shape != (kv_heads, keys.shape[2])
                                or usable.stride(-1) != 1):
         raise ValueError(f"usable must be a [kv_heads, slots] = {(kv_heads, keys.shape[2])} bool tensor with "
@@ -132,4 +149,4 @@ def write_token(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, p
     )
 
 
-__all__ = ["write_token"]
+__all__ = ["check_token_write", "write_token"]
