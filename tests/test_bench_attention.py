@@ -17,6 +17,8 @@ from evals.bench import attention as bench_attention  # noqa: E402
 from longflow.errors import UserError  # noqa: E402
 from longflow.kernels.longflow_attention import LaunchConfig  # noqa: E402
 
+pytestmark = pytest.mark.kernels
+
 
 def grid_rows() -> list[dict]:
     rows = []

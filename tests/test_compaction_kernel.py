@@ -11,6 +11,8 @@ import torch
 from longflow.kernels import compact_in_place
 from longflow.slots import SlotCache, SlotState
 
+pytestmark = pytest.mark.kernels
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

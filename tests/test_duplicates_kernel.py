@@ -14,6 +14,8 @@ from baselines.rkv import blocked_newest_duplicates, rkv_scores
 from longflow.kernels import newest_duplicates
 from longflow.selection import choose_keep, chosen_mask
 
+pytestmark = pytest.mark.kernels
+
 # The kernel runs on the GPU where there is one, else through the interpreter on CPU tensors.
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -26,6 +26,8 @@ from longflow.kernels import append_decode, flash_decode  # noqa: E402
 from longflow.kernels.longflow_attention import LaunchConfig  # noqa: E402
 from longflow.models import eos_token_ids  # noqa: E402
 
+pytestmark = pytest.mark.kernels
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 

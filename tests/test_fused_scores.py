@@ -27,6 +27,8 @@ from longflow.errors import UserError  # noqa: E402
 from longflow.kernels import scored_attention  # noqa: E402
 from longflow.method import LongFlowPolicy  # noqa: E402
 
+pytestmark = pytest.mark.kernels
+
 # The layer and the tiny model live on the CPU here: with CUDA present the kernel would get CPU tensors
 # outside the interpreter. test_gpu's test_fused_scores_give_the_eager_tokens covers the GPU.
 on_the_cpu = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter")

@@ -20,6 +20,8 @@ from longflow.kernels import longflow_attention, reference  # noqa: E402
 from longflow.kernels.longflow_attention import LaunchConfig  # noqa: E402
 from longflow.kernels.reference import longflow_scores  # noqa: E402
 
+pytestmark = pytest.mark.kernels
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 OUT_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 GROUPS = {1: (2, 2), 4: (8, 2), 8: (16, 2)}  # G -> (q_heads, kv_heads)

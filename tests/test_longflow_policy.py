@@ -22,6 +22,8 @@ from longflow.method import LongFlowPolicy  # noqa: E402
 from longflow.models import eos_token_ids  # noqa: E402
 from longflow.policy import CacheSpec  # noqa: E402
 
+pytestmark = pytest.mark.kernels
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BATCH, LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 3, 2, 8, 2, 16
 SCALE = HEAD_DIM**-0.5

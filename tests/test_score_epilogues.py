@@ -21,6 +21,8 @@ from longflow.kernels import scored_attention  # noqa: E402
 from longflow.kernels.longflow_attention import SCORES, LaunchConfig  # noqa: E402
 from longflow.selection import choose_next  # noqa: E402
 
+pytestmark = pytest.mark.kernels
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (score, per_kv_head, weight): the methods' epilogues, and LongFlow's per KV head
 METHOD_SCORES = [

@@ -9,6 +9,8 @@ import torch
 
 from longflow.kernels import similarity_sums
 
+pytestmark = pytest.mark.kernels
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

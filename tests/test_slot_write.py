@@ -18,6 +18,8 @@ import pytest  # noqa: E402
 from longflow.kernels.slot_write import write_token  # noqa: E402
 from longflow.selection import first_free  # noqa: E402
 
+pytestmark = pytest.mark.kernels
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -11,6 +11,8 @@ import torch
 from baselines.rkv import window_importance
 from longflow import kernels
 
+pytestmark = pytest.mark.kernels
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
