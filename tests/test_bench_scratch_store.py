@@ -12,6 +12,8 @@ from evals.bench.scratch_store import pass_call
 from longflow.kernels.longflow_attention import LOG2E
 from longflow.kernels.reference import longflow_scores, reference
 
+pytestmark = pytest.mark.kernels
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
