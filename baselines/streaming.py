@@ -115,9 +115,8 @@ class StreamingPolicy(KVPolicy):
         return obs.positions
 
     def protected(self, obs: Observation) -> torch.Tensor:
-        """The sinks (free slots, position -1, come out True and stay free), `[n, 1, S]`: every KV head
-        holds the same positions, so one head's mask, broadcast, is every head's."""
-        return sink_mask(obs.positions[:, :1], self.sinks)
+        """The sinks (free slots, position -1, come out True and stay free)."""
+        return sink_mask(obs.positions, self.sinks)
 
 
 @dataclass(eq=False)

@@ -190,17 +190,26 @@ class Observation:
     cache's own tensor at a decode step, so a scorer may update it in place); `probs`: the newest
     query's attention `[n, Hkv, G, S]` float32 (the step's own at a decode step, computed from the
     query history at a compression); `queries(w)`: the last w queries after RoPE, oldest first.
+    With `one_head`, every `Hkv` above is 1, KV head 0's (the queries stay whole).
     """
 
     def __init__(self, policy: KVPolicy, layer: int, rows: torch.Tensor | None = None,
-                 probs: torch.Tensor | None = None, newest: torch.Tensor | None = None):
+                 probs: torch.Tensor | None = None, newest: torch.Tensor | None = None, one_head: bool = False):
         self.policy, self.layer, self.rows = policy, layer, rows
         self.slots: LayerSlots = policy.layers[layer]
         self._probs = probs
         self._newest = newest  # `[n]`, given where the engine's positions are not the written token's
+        # KV head 0 alone (`[n, 1, ...]`) for a shared selection, whose heads hold the same slots: what is
+        # computed per slot from keys, values, validity, positions or states is then one head's, broadcast.
+        self.one_head = one_head
+
+    def _rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.rows is None else tensor.index_select(0, self.rows)
 
     def _select(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.rows is None else tensor.index_select(0, self.rows)
+        """A per-slot tensor `[B, Hkv, ...]` of the observed rows (and head)."""
+        tensor = self._rows(tensor)
+        return tensor[:, :1] if self.one_head else tensor
 
     @property
     def keys(self) -> torch.Tensor:
@@ -220,7 +229,7 @@ class Observation:
 
     @property
     def newest(self) -> torch.Tensor:
-        return self._select(self.policy.positions) if self._newest is None else self._newest
+        return self._rows(self.policy.positions) if self._newest is None else self._newest
 
     @property
     def spec(self) -> CacheSpec:
@@ -239,6 +248,8 @@ class Observation:
 
     @property
     def probs(self) -> torch.Tensor:
+        if self.one_head:  # every head's probabilities are computed together, then cut
+            return Observation(self.policy, self.layer, self.rows, self._probs, self._newest).probs[:, :1]
         if self._probs is None:
             if self.policy.history is None:
                 raise RuntimeError(f"{self.policy.name}: the score read obs.probs, which the step did not compute "
@@ -499,7 +510,8 @@ class KVPolicy:
         raise NotImplementedError(f"{type(self).__name__} writes no score")
 
     def protected(self, obs: Observation) -> torch.Tensor | None:
-        """Slots never evicted, `[n, Hkv, S]` bool (free slots may be True: they are still free), or None."""
+        """Slots never evicted, `[n, Hkv, S]` bool (free slots may be True: they are still free), or None.
+        A shared selection asks with a `one_head` observation, whose tensors hold KV head 0 alone."""
         return None
 
     def prefill_scores(
@@ -690,7 +702,7 @@ class KVPolicy:
         """The step in one launch pair (`longflow.kernels.scored_attention`): attention, `fused`'s score
         with its slot states updated in place, and `next_slot[layer]` by the selection rule."""
         slots = self.layers[layer]
-        valid, protect = slots.valid, self.protected(Observation(self, layer))
+        valid, protect = slots.valid, self.protected(Observation(self, layer, one_head=self.shared_selection))
         protect = None if protect is None else protect.expand_as(valid)
         if self.shared_selection:  # every KV head of `valid` and `positions` holds the same row
             valid, protect = valid[:, 0], None if protect is None else protect[:, 0]
@@ -715,14 +727,14 @@ class KVPolicy:
         """`next_slot[layer]` by the selection rule from `score` and `protected`; probs `[B, Hkv, G, S]`
         of the step (None: computed from the query history if the score needs them)."""
         slots = self.layers[layer]
-        obs = Observation(self, layer, probs=probs)
-        score, valid, protect, usable = self.score(obs), slots.valid, self.protected(obs), slots.usable
-        if self.shared_selection and usable is None:
-            # One selection for every KV head: the heads hold the same slots and score them alike, so head
-            # 0's choice is every head's, for 1/Hkv of the bytes (this runs eagerly, in every layer).
-            score, valid = score[:, :1], valid[:, :1]
-            protect = None if protect is None else protect[:, :1]
-        self.next_slot[layer].copy_(choose_next(score, valid, protect, usable).expand_as(self.next_slot[layer]))
+        # One selection for every KV head: the heads hold the same slots and score them alike, so head 0's
+        # choice is every head's, for 1/Hkv of the bytes (this runs eagerly, in every layer). The score is
+        # computed whole, since one head's may read every head's probabilities (TOVA's mean).
+        one_head = self.shared_selection and slots.usable is None
+        score = self.score(Observation(self, layer, probs=probs))
+        protect = self.protected(Observation(self, layer, one_head=one_head))
+        score, valid = (score[:, :1], slots.valid[:, :1]) if one_head else (score, slots.valid)
+        self.next_slot[layer].copy_(choose_next(score, valid, protect, slots.usable).expand_as(self.next_slot[layer]))
 
     # ---- prefill -----------------------------------------------------------------------------
 

@@ -111,7 +111,8 @@ def test_ties_and_free_slots():
 def test_head_zero_chooses_as_the_rule_over_every_head():
     """A shared selection's `choose_next_slot` reads KV head 0 only. On random states shared by every head
     (positions in any slot order, free slots, sinks), each head gets the slot that `choose_next` gives over
-    that head's own positions, validity and sinks; a subclass with its own score goes through that score."""
+    that head's own positions, validity and sinks; a subclass with its own score goes through that score,
+    and its protection is asked of KV head 0 alone."""
     generator = torch.Generator().manual_seed(0)
     batch, kv_heads, budget = 4, 3, 10
     spec = CacheSpec(batch=batch, layers=1, q_heads=6, kv_heads=kv_heads, head_dim=4, prompt_len=4,
@@ -120,6 +121,10 @@ def test_head_zero_chooses_as_the_rule_over_every_head():
     class Newest(StreamingPolicy):
         def score(self, obs):
             return -obs.positions
+
+        def protected(self, obs):  # asked on one head (1/Hkv of the bytes), as every shared selection is
+            assert obs.positions.shape == obs.valid.shape == (batch, 1, budget)
+            return super().protected(obs)
 
     for cls, sign in ((StreamingPolicy, 1), (Newest, -1)):
         policy = cls(budget, n_sink=2)
