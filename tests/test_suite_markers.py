@@ -32,10 +32,9 @@ def test_the_marks_are_read_from_pytestmark():
 
 
 def test_modules_that_run_kernels_on_the_gpu_are_selected_by_make_test_gpu():
-    kernel_modules = [path for path in sorted(TESTS.glob("test_*.py")) if path != Path(__file__)
-                      and any(sign in path.read_text() for sign in RUN_ON_THE_GPU)]
-    assert {"test_kernel.py", "test_flash_decode.py", "test_slot_write.py"} <= {path.name for path in kernel_modules}
-    unmarked = [path.name for path in kernel_modules
-                if not module_marks(ast.parse(path.read_text())) & {"gpu", "kernels"}]
+    texts = {path.name: path.read_text() for path in sorted(TESTS.glob("test_*.py")) if path != Path(__file__)}
+    kernel_modules = [name for name, text in texts.items() if any(sign in text for sign in RUN_ON_THE_GPU)]
+    assert {"test_kernel.py", "test_flash_decode.py", "test_slot_write.py"} <= set(kernel_modules)
+    unmarked = [name for name in kernel_modules if not module_marks(ast.parse(texts[name])) & {"gpu", "kernels"}]
     assert not unmarked, (f"{unmarked} run Triton kernels on CUDA when there is a GPU: give each "
                           "`pytestmark = pytest.mark.kernels` so that `make test-gpu` runs it")
