@@ -1,0 +1,137 @@
+"""The one-row MLP block as the engine compiles it: is the SwiGLU product worth fusing into the down
+projection?
+
+    python -m evals.bench.mlp_fusion
+    python -m evals.bench.mlp_fusion --kernels 4 '{"realize_opcount_threshold": 4}'
+
+At a batch of one, Inductor with coordinate-descent tuning (the engine's `TUNING_OPTIONS`) lowers each
+matrix-vector product to a reduction and inlines its input's pointwise work into it. For the down
+projection that input is `silu(gate) * up`, 12288 values that every program of the reduction reads
+and recomputes (a sigmoid each) for its own outputs. In the batch-1 profile (docs/engine.md) the
+costliest kernel, 1.26 ms a step, is about 0.4 ms above the floor of the 3.6 GB it reads, where the
+gate and up products run near the copy rate. This benchmark times Qwen3-8B's post-attention block
+(RMSNorm, gate, up, SwiGLU, down, residual) at one row, 36 layers of distinct weights in one CUDA
+graph, compiled:
+  - `fused`: as one function, as in the model's compiled step;
+  - `materialized`: as two, the product stored between them (one more launch a layer);
+  - once per extra JSON object, as `fused` with those Inductor options on top.
+and, for scale, eager (cuBLAS). Each line gives the weights' bytes over the time; `--kernels N` adds
+each setting's N costliest kernels per layer. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch._inductor.utils import fresh_cache
+
+from evals.bench.attention import REPLAYS, ROUNDS, captured, replay_ms
+from evals.bench.common import require_cuda, run
+from longflow.compile import TUNING_OPTIONS
+
+HIDDEN, INTERMEDIATE, LAYERS, EPS = 4096, 12288, 36, 1e-6  # Qwen3-8B
+
+
+def normed(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Qwen3's RMSNorm, in float32 as transformers computes it. `hidden` `[rows, HIDDEN]`."""
+    x = hidden.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return weight * x.to(hidden.dtype)
+
+
+def product(hidden, norm, gate, up):
+    """`silu(gate x) * up x` `[rows, INTERMEDIATE]` of the normed hidden state."""
+    x = normed(hidden, norm)
+    return F.silu(F.linear(x, gate)) * F.linear(x, up)
+
+
+def down_residual(hidden, act, down):
+    return hidden + F.linear(act, down)
+
+
+def block(hidden, norm, gate, up, down):
+    return down_residual(hidden, product(hidden, norm, gate, up), down)
+
+
+def settings(extra: list[dict]) -> dict[str, tuple[dict | None, bool]]:
+    """name -> (Inductor options or None for eager, whether the product is stored between two graphs)."""
+    named = {"eager (cuBLAS)": (None, False), "fused": (TUNING_OPTIONS, False),
+             "materialized": (TUNING_OPTIONS, True)}
+    return named | {f"fused + {json.dumps(options)}": (TUNING_OPTIONS | options, False) for options in extra}
+
+
+def layer_calls(layers: list[dict], hidden: torch.Tensor, options: dict | None, materialized: bool) -> list:
+    """One call per layer, compiled with `options` (eager if None)."""
+    if options is None:
+        return [lambda w=w: block(hidden, **w) for w in layers]
+    compile_ = lambda fn: torch.compile(fn, fullgraph=True, options=options)  # noqa: E731
+    if materialized:
+        front, back = compile_(product), compile_(down_residual)
+        return [lambda w=w: back(hidden, front(hidden, w["norm"], w["gate"], w["up"]), w["down"]) for w in layers]
+    fused = compile_(block)
+    return [lambda w=w: fused(hidden, **w) for w in layers]
+
+
+def costliest_kernels(graph: torch.cuda.CUDAGraph, count: int) -> list[tuple[str, float]]:
+    """The `count` kernels of one replay of `graph` with the most time, (name, ms per layer)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        replay_ms(graph, 1)
+    totals = defaultdict(float)
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] += event.device_time_total / 1e3 / LAYERS
+    return sorted(totals.items(), key=lambda item: -item[1])[:count]
+
+
+def interleaved_replays_ms(graphs: dict[str, torch.cuda.CUDAGraph]) -> dict[str, float]:
+    """Median replay of each graph, their replays taken in turns (`evals.bench.attention.interleaved_ms`,
+    which captures the graphs itself: here each was captured under its own options, and a recapture
+    after `torch._dynamo.reset()` would compile again under other ones)."""
+    samples = defaultdict(list)
+    for _ in range(ROUNDS):
+        for name, graph in graphs.items():
+            samples[name] += replay_ms(graph, REPLAYS // ROUNDS)
+    return {name: statistics.median(samples[name]) for name in graphs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("options", nargs="*", type=json.loads, help="Inductor options on top of the engine's, JSON")
+    parser.add_argument("--kernels", type=int, default=0, help="each setting's costliest kernels listed")
+    args = parser.parse_args()
+    require_cuda("evals.bench.mlp_fusion")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=dtype) * 0.02
+
+    layers = [dict(norm=1 + weight(HIDDEN), gate=weight(INTERMEDIATE, HIDDEN), up=weight(INTERMEDIATE, HIDDEN),
+                   down=weight(HIDDEN, INTERMEDIATE)) for _ in range(LAYERS)]
+    hidden = torch.randn(1, HIDDEN, device=device, dtype=dtype)
+    total = sum(w.numel() * w.element_size() for layer in layers for w in layer.values())
+    reference = None
+    graphs = {}
+    for name, (options, materialized) in settings(args.options).items():
+        torch._dynamo.reset()  # each setting compiles afresh: Dynamo's cache does not key on the options
+        with fresh_cache(), torch._inductor.config.patch(options or {}):
+            calls = layer_calls(layers, hidden, options, materialized)
+            graphs[name] = captured(calls)
+            out = calls[-1]()
+        if reference is None:
+            reference = out
+        # bf16 products summed in other orders: equal to rounding, not bit for bit
+        torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
+    print(f"weights {total / 1e9:.2f} GB in {LAYERS} layers, one row")
+    for name, ms in interleaved_replays_ms(graphs).items():
+        print(f"{name}: {ms:.3f} ms, {total / ms / 1e9:.2f} TB/s", flush=True)
+        for kernel, kernel_ms in costliest_kernels(graphs[name], args.kernels):
+            print(f"    {kernel_ms * 1e3:7.1f} us/layer  {kernel[:110]}")
+
+
+if __name__ == "__main__":
+    run(main)
