@@ -2,7 +2,7 @@
 projection?
 
     python -m evals.bench.mlp_fusion
-    python -m evals.bench.mlp_fusion --kernels 4 '{"realize_opcount_threshold": 4}'
+    python -m evals.bench.mlp_fusion --kernels 4 '{"realize_opcount_threshold": 8}'
 
 At a batch of one, Inductor with coordinate-descent tuning (the engine's `TUNING_OPTIONS`) lowers each
 matrix-vector product to a reduction and inlines its input's pointwise work into it. For the down
