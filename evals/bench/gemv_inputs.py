@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -37,7 +38,9 @@ def gemv_input(node: torch.fx.Node) -> torch.fx.Node | None:
     if not isinstance(row, torch.fx.Node) or row.target is not aten.unsqueeze.default or row.args[1] != 2:
         return None
     x = row.args[0]
-    return x if isinstance(x, torch.fx.Node) and x.meta["val"].shape[0] == 1 else None
+    value = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    # a graph of dynamic rows has a symbolic size here, which must not become a guard
+    return x if value is not None and statically_known_true(value.shape[0] == 1) else None
 
 
 def costly(node: torch.fx.Node) -> bool:
