@@ -48,6 +48,7 @@ D head dim, n rows.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -190,18 +191,18 @@ class Observation:
     cache's own tensor at a decode step, so a scorer may update it in place); `probs`: the newest
     query's attention `[n, Hkv, G, S]` float32 (the step's own at a decode step, computed from the
     query history at a compression); `queries(w)`: the last w queries after RoPE, oldest first.
-    With `one_head`, every `Hkv` above is 1, KV head 0's (the queries stay whole).
+    In its `head_zero` view (`one_head`), every `Hkv` above is 1, KV head 0's (the queries stay whole).
     """
 
     def __init__(self, policy: KVPolicy, layer: int, rows: torch.Tensor | None = None,
-                 probs: torch.Tensor | None = None, newest: torch.Tensor | None = None, one_head: bool = False):
+                 probs: torch.Tensor | None = None, newest: torch.Tensor | None = None):
         self.policy, self.layer, self.rows = policy, layer, rows
         self.slots: LayerSlots = policy.layers[layer]
         self._probs = probs
         self._newest = newest  # `[n]`, given where the engine's positions are not the written token's
-        # KV head 0 alone (`[n, 1, ...]`) for a shared selection, whose heads hold the same slots: what is
-        # computed per slot from keys, values, validity, positions or states is then one head's, broadcast.
-        self.one_head = one_head
+        # KV head 0 alone (`[n, 1, ...]`, `head_zero`) for a shared selection, whose heads hold the same slots:
+        # what is computed per slot from keys, values, validity, positions or states is then one head's.
+        self.one_head = False
 
     def _rows(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.rows is None else tensor.index_select(0, self.rows)
@@ -248,16 +249,22 @@ class Observation:
 
     @property
     def probs(self) -> torch.Tensor:
-        if self.one_head:  # every head's probabilities are computed together, then cut
-            return Observation(self.policy, self.layer, self.rows, self._probs, self._newest).probs[:, :1]
         if self._probs is None:
             if self.policy.history is None:
                 raise RuntimeError(f"{self.policy.name}: the score read obs.probs, which the step did not compute "
                                    "(the class sets step_probs = False, or scores at an interval) and no query "
                                    "history can give (query_window() is 0)")
             newest, _, _ = self.queries(1)  # [n, Hq, 1, D]
-            _, self._probs = decode_attention(newest[:, :, 0], self.keys, self.values, self.valid, self.scale)
-        return self._probs
+            # every KV head's, kept whole (a `head_zero` view shares them) and cut on the way out
+            keys, values, valid = (self._rows(t) for t in (self.slots.keys, self.slots.values, self.slots.valid))
+            _, self._probs = decode_attention(newest[:, :, 0], keys, values, valid, self.scale)
+        return self._probs[:, :1] if self.one_head else self._probs
+
+    def head_zero(self) -> Observation:
+        """This observation cut to KV head 0 (`one_head`), its probabilities shared once computed."""
+        view = copy.copy(self)
+        view.one_head = True
+        return view
 
 
 class PromptObservation(Observation):
@@ -511,7 +518,7 @@ class KVPolicy:
 
     def protected(self, obs: Observation) -> torch.Tensor | None:
         """Slots never evicted, `[n, Hkv, S]` bool (free slots may be True: they are still free), or None.
-        A shared selection asks with a `one_head` observation, whose tensors hold KV head 0 alone."""
+        A shared selection asks with the observation's `head_zero` view, whose tensors hold KV head 0 alone."""
         return None
 
     def prefill_scores(
@@ -702,7 +709,8 @@ class KVPolicy:
         """The step in one launch pair (`longflow.kernels.scored_attention`): attention, `fused`'s score
         with its slot states updated in place, and `next_slot[layer]` by the selection rule."""
         slots = self.layers[layer]
-        valid, protect = slots.valid, self.protected(Observation(self, layer, one_head=self.shared_selection))
+        obs = Observation(self, layer)
+        valid, protect = slots.valid, self.protected(obs.head_zero() if self.shared_selection else obs)
         protect = None if protect is None else protect.expand_as(valid)
         if self.shared_selection:  # every KV head of `valid` and `positions` holds the same row
             valid, protect = valid[:, 0], None if protect is None else protect[:, 0]
@@ -731,8 +739,9 @@ class KVPolicy:
         # choice is every head's, for 1/Hkv of the bytes (this runs eagerly, in every layer). The score is
         # computed whole, since one head's may read every head's probabilities (TOVA's mean).
         one_head = self.shared_selection and slots.usable is None
-        score = self.score(Observation(self, layer, probs=probs))
-        protect = self.protected(Observation(self, layer, one_head=one_head))
+        obs = Observation(self, layer, probs=probs)
+        score = self.score(obs)
+        protect = self.protected(obs.head_zero() if one_head else obs)
         score, valid = (score[:, :1], slots.valid[:, :1]) if one_head else (score, slots.valid)
         self.next_slot[layer].copy_(choose_next(score, valid, protect, slots.usable).expand_as(self.next_slot[layer]))
 
