@@ -109,11 +109,17 @@ def interleaved_ms(methods: dict[str, list], rounds: int = ROUNDS, replays: int 
     depends on what ran before it (the same kernel measured 1.00x cuDNN right after it and 1.12x after
     the eager reference, longflow/kernels/NOTES.md), and such drift would go into the ratios."""
     graphs = {name: captured(calls) for name, calls in methods.items()}
-    samples = {name: [] for name in methods}
+    return {name: ms / len(methods[name]) for name, ms in replays_in_turns_ms(graphs, rounds, replays).items()}
+
+
+def replays_in_turns_ms(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int = ROUNDS,
+                        replays: int = REPLAYS) -> dict[str, float]:
+    """Median replay of each graph (name -> graph), `rounds` rounds of `replays // rounds` each in turns."""
+    samples = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, graph in graphs.items():
             samples[name] += replay_ms(graph, max(1, replays // rounds))
-    return {name: statistics.median(samples[name]) / len(methods[name]) for name in methods}
+    return {name: statistics.median(samples[name]) for name in graphs}
 
 
 def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:

@@ -24,7 +24,14 @@ aten, prims = torch.ops.aten, torch.ops.prims
 
 TRANSCENDENTAL = {aten.exp.default, aten.sigmoid.default, aten.tanh.default, aten.log.default,
                   aten.erf.default, aten.pow.Tensor_Tensor}
-REDUCTIONS = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.var_mean.correction}
+
+
+def inlined(node: torch.fx.Node) -> bool:
+    """Whether Inductor may inline `node` into its readers: a pointwise op or a view. Anything else
+    (a reduction, a matmul left to a library, a custom op, a graph input) is stored."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and (torch.Tag.pointwise in target.tags or target.is_view))
 
 
 def gemv_input(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -44,12 +51,12 @@ def gemv_input(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def costly(node: torch.fx.Node) -> bool:
-    """Whether the pointwise expression that Inductor would inline for `node` holds a transcendental op:
-    its ancestors up to stored values (graph inputs, reductions, anything not a call)."""
+    """Whether the expression that Inductor would inline for `node` holds a transcendental op: its
+    ancestors through pointwise ops and views, up to stored values."""
     seen, todo = set(), [node]
     while todo:
         current = todo.pop()
-        if current in seen or current.op != "call_function" or current.target in REDUCTIONS:
+        if current in seen or not inlined(current):
             continue
         seen.add(current)
         if current.target in TRANSCENDENTAL:

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
 from torch._inductor.utils import fresh_cache
 
-from evals.bench.attention import REPLAYS, ROUNDS, captured, replay_ms
+from evals.bench.attention import captured, replay_ms, replays_in_turns_ms
 from evals.bench.common import require_cuda, run
 from evals.bench.gemv_inputs import resolve_passes
 from longflow.compile import TUNING_OPTIONS
@@ -91,17 +90,6 @@ def costliest_kernels(graph: torch.cuda.CUDAGraph, count: int) -> list[tuple[str
     return sorted(totals.items(), key=lambda item: -item[1])[:count]
 
 
-def interleaved_replays_ms(graphs: dict[str, torch.cuda.CUDAGraph]) -> dict[str, float]:
-    """Median replay of each graph, their replays taken in turns (`evals.bench.attention.interleaved_ms`,
-    which captures the graphs itself: here each was captured under its own options, and a recapture
-    after `torch._dynamo.reset()` would compile again under other ones)."""
-    samples = defaultdict(list)
-    for _ in range(ROUNDS):
-        for name, graph in graphs.items():
-            samples[name] += replay_ms(graph, REPLAYS // ROUNDS)
-    return {name: statistics.median(samples[name]) for name in graphs}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("options", nargs="*", type=json.loads, help="Inductor options on top of the engine's, JSON")
@@ -132,7 +120,8 @@ def main() -> None:
         if error > 0.02 * reference.float().abs().max().item():
             raise AssertionError(f"{name}: differs from eager by {error:.3g}")
     print(f"weights {total / 1e9:.2f} GB in {LAYERS} layers, one row")
-    for name, ms in interleaved_replays_ms(graphs).items():
+    # each graph was captured under its own options: `interleaved_ms` would capture (and compile) again
+    for name, ms in replays_in_turns_ms(graphs).items():
         print(f"{name}: {ms:.3f} ms, {total / ms / 1e9:.2f} TB/s", flush=True)
         for kernel, kernel_ms in costliest_kernels(graphs[name], args.kernels):
             print(f"    {kernel_ms * 1e3:7.1f} us/layer  {kernel[:110]}")
