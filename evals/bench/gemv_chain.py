@@ -1,0 +1,213 @@
+"""The batch-1 step's weight reads alone: can a chain of one-row products run at the copy rate?
+
+    python -m evals.bench.gemv_chain                 # eager, Inductor, and the Triton GEMV with and without PDL
+    python -m evals.bench.gemv_chain --sweep         # each shape's launch configurations first
+
+At a batch of one the decode step is a chain of matrix-vector products, each reading its weights once
+and the previous product's output. In the engine's compiled step (docs/engine.md, "Vanilla at batch
+1") the large ones run near the copy rate and the small ones do not: each kernel ramps up and drains,
+and over 36 layers of q/k/v, o, gate/up and down the ramps and tails are a tenth of the step. This
+benchmark times that chain alone. Per layer, Qwen3-8B's products with q|k|v and gate|up concatenated:
+  qkv [6144, 4096] -> o [4096, 4096] (reading qkv's first 4096 outputs, attention's stand-in)
+  -> gate|up [24576, 4096] -> down [4096, 12288] (reading silu(gate) * up) -> the next layer's qkv,
+36 layers of distinct weights (13.9 GB) in one CUDA graph, as
+  - `eager`: cuBLAS (`F.linear`) and PyTorch's SwiGLU;
+  - `inductor`: each layer compiled with the engine's options at a batch of one (`TUNING_OPTIONS`);
+  - `triton`: `gemv_kernel`, each program `block_n` rows, the SwiGLU computed where down reads it;
+  - `triton_pdl`: the same kernels under programmatic dependent launch (sm_90): a kernel's programs
+    start while the one before drains, load the first `head_k` columns of their weights (which do not
+    depend on it), and wait (`gdc_wait`) only before reading its output.
+Each line gives the weights' bytes over the time; `--kernels N` adds each setting's N costliest
+kernels per layer. The Triton kernel is written here, not taken from a library, because the question
+is whether loading weights before the wait pays, which neither cuBLAS nor Inductor's reductions do.
+Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch._inductor.utils import fresh_cache
+
+from evals.bench.attention import captured, graph_ms, replays_in_turns_ms
+from evals.bench.common import require_cuda, run
+from evals.bench.mlp_fusion import costliest_kernels
+from longflow.compile import TUNING_OPTIONS
+from longflow.kernels.reductions import reduce_sum
+
+HIDDEN, QKV, INTERMEDIATE, LAYERS = 4096, 6144, 12288, 36  # Qwen3-8B: 32 + 2 x 8 heads of 128
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch configuration: rows per program, columns per loop step, columns loaded before the
+    wait (a power of two, at most the row's length), warps."""
+
+    block_n: int = 4
+    block_k: int = 1024
+    head_k: int = 1024
+    warps: int = 4
+
+
+@triton.jit
+def _input(x, cols, K: tl.constexpr, SWIGLU: tl.constexpr):
+    """The product's input at `cols` in float32: `x[cols]`, or `silu(x[cols]) * x[K + cols]`."""
+    if SWIGLU:
+        gate = tl.load(x + cols).to(tl.float32)
+        up = tl.load(x + K + cols).to(tl.float32)
+        return gate / (1.0 + tl.exp(-gate)) * up  # tl.sigmoid: see longflow.kernels.reductions
+    else:
+        return tl.load(x + cols).to(tl.float32)
+
+
+@triton.jit
+def gemv_kernel(weight, x, out, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                HEAD_K: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr):
+    """`out[n] = sum_k weight[n, k] * input[k]` for this program's BLOCK_N rows; `weight` `[N, K]`
+    row-major, `x` `[K]` (or `[2K]`, gate then up, with SWIGLU), `out` `[N]`."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    head = tl.arange(0, HEAD_K)
+    head_weights = tl.load(weight + rows[:, None] * K + head[None, :], mask=row_ok[:, None], other=0.0)
+    if PDL:
+        # everything above reads weights only; the input is the previous kernel's output
+        tl.extra.cuda.gdc_wait()
+    acc = reduce_sum(head_weights.to(tl.float32) * _input(x, head, K, SWIGLU)[None, :], 1)
+    for start in tl.static_range(HEAD_K, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        w = tl.load(weight + rows[:, None] * K + cols[None, :], mask=row_ok[:, None], other=0.0)
+        acc += reduce_sum(w.to(tl.float32) * _input(x, cols, K, SWIGLU)[None, :], 1)
+    tl.store(out + rows, acc.to(out.dtype.element_ty), mask=row_ok)
+
+
+def gemv(weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor, config: GemvConfig = GemvConfig(),
+         swiglu: bool = False, pdl: bool = False) -> torch.Tensor:
+    """`out` `[N]` = `weight` `[N, K]` @ input, the input `x` `[K]`, or `silu(x[:K]) * x[K:]` for `x`
+    `[2K]` with `swiglu`; `pdl` launches it as a programmatic dependent of the kernel before (sm_90)."""
+    n, k = weight.shape
+    head_k = min(config.head_k, k)
+    if head_k & (head_k - 1) or (k - head_k) % config.block_k:
+        raise ValueError(f"{config} does not tile a row of {k}")
+    options = {"launch_pdl": True} if pdl else {}
+    gemv_kernel[(triton.cdiv(n, config.block_n),)](
+        weight, x, out, n, k, config.block_n, config.block_k, head_k, swiglu, pdl,
+        num_warps=config.warps, **options)
+    return out
+
+
+def layer_shapes() -> dict[str, tuple[int, int]]:
+    """Each product's weight shape `[N, K]` in a layer, in chain order."""
+    return {"qkv": (QKV, HIDDEN), "o": (HIDDEN, HIDDEN), "gate_up": (2 * INTERMEDIATE, HIDDEN),
+            "down": (HIDDEN, INTERMEDIATE)}
+
+
+def eager_layer(x: torch.Tensor, qkv, o, gate_up, down) -> torch.Tensor:
+    """One layer's chain, `x` `[1, HIDDEN]` -> `[1, HIDDEN]`, through cuBLAS (the reference)."""
+    attended = F.linear(x, qkv)[:, :HIDDEN]
+    gate, up = F.linear(F.linear(attended, o), gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+class TritonChain:
+    """The chain through `gemv`, with its intermediate buffers allocated once (graph-capturable)."""
+
+    def __init__(self, configs: dict[str, GemvConfig], pdl: bool, device: torch.device, dtype: torch.dtype):
+        self.configs, self.pdl = configs, pdl
+        self.buffers = {name: torch.empty(n, device=device, dtype=dtype) for name, (n, _) in layer_shapes().items()}
+
+    def layer(self, x: torch.Tensor, qkv, o, gate_up, down) -> torch.Tensor:
+        """`x` `[HIDDEN]` -> the down product's buffer `[HIDDEN]`."""
+        buf, cfg = self.buffers, self.configs
+        gemv(qkv, x, buf["qkv"], cfg["qkv"], pdl=self.pdl)
+        gemv(o, buf["qkv"], buf["o"], cfg["o"], pdl=self.pdl)  # reads qkv's first HIDDEN outputs
+        gemv(gate_up, buf["o"], buf["gate_up"], cfg["gate_up"], pdl=self.pdl)
+        return gemv(down, buf["gate_up"], buf["down"], cfg["down"], swiglu=True, pdl=self.pdl)
+
+
+def candidate_configs(k: int, full: bool) -> list[GemvConfig]:
+    """Launch configurations that tile a row of `k`; `full` for the wide sweep."""
+    grid = dict(block_n=(1, 2, 4, 8), block_k=(512, 1024, 2048), head_k=(1024, 2048, 4096), warps=(4, 8)) if full \
+        else dict(block_n=(1, 4, 8), block_k=(1024, 2048), head_k=(2048, 4096), warps=(4, 8))
+    configs = [GemvConfig(*values) for values in itertools.product(*grid.values())]
+    return [c for c in configs if c.head_k <= k and (k - c.head_k) % c.block_k == 0]
+
+
+def describe(config: GemvConfig) -> str:
+    return f"{config.block_n}x{config.block_k} head {config.head_k} warps {config.warps}"
+
+
+def swept(layers: list[dict], pdl: bool, full: bool) -> dict[str, GemvConfig]:
+    """Each product's fastest configuration: its 36 launches (distinct weights, one input) in one graph,
+    with or without PDL, each candidate timed; the three fastest printed."""
+    configs = {}
+    for name, (n, k) in layer_shapes().items():
+        weight = layers[0][name]
+        out = torch.empty(n, device=weight.device, dtype=weight.dtype)
+        source = torch.randn(2 * k if name == "down" else k, device=weight.device, dtype=weight.dtype)
+        timed = {config: graph_ms([partial(gemv, layer[name], source, out, config, name == "down", pdl)
+                                   for layer in layers])
+                 for config in candidate_configs(k, full)}
+        configs[name] = min(timed, key=timed.get)
+        print(f"{name} [{n}, {k}]{' PDL' if pdl else ''}: " + "; ".join(
+            f"{describe(c)}: {ms * 1e3:.1f} us, {n * k * 2 / ms / 1e9:.2f} TB/s"
+            for c, ms in sorted(timed.items(), key=lambda item: item[1])[:3]), flush=True)
+    return configs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="time each shape's configurations first")
+    parser.add_argument("--full", action="store_true", help="with --sweep: the wide grid")
+    parser.add_argument("--kernels", type=int, default=0, help="each setting's costliest kernels listed")
+    args = parser.parse_args()
+    require_cuda("evals.bench.gemv_chain")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    layers = [{name: torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for name, (n, k) in layer_shapes().items()}
+              for _ in range(LAYERS)]
+    total = sum(w.numel() * w.element_size() for layer in layers for w in layer.values())
+    x = torch.randn(HIDDEN, device=device, dtype=dtype)
+
+    configs = {pdl: swept(layers, pdl, args.full) if args.sweep else dict.fromkeys(layer_shapes(), GemvConfig())
+               for pdl in (False, True)}
+
+    # A graph replays into the tensors it was captured with: `alive` keeps each setting's chain buffers
+    # and every layer output (warm-up ones included) from going back to the allocator.
+    graphs, first_layer, alive = {}, {}, {}
+    for setting in ("eager", "inductor", "triton", "triton_pdl"):
+        torch._dynamo.reset()
+        with fresh_cache():
+            if setting in ("eager", "inductor"):
+                layer_fn = eager_layer if setting == "eager" else torch.compile(
+                    eager_layer, fullgraph=True, options=TUNING_OPTIONS)
+                first = x[None]
+            else:
+                pdl = setting == "triton_pdl"
+                chain = TritonChain(configs[pdl], pdl, device, dtype)
+                layer_fn, first = chain.layer, x
+            outputs = [first.clone()]
+            alive[setting] = (layer_fn, outputs)
+            graphs[setting] = captured([lambda w=w, f=layer_fn, o=outputs: o.append(f(o[-1], **w)) for w in layers])
+            first_layer[setting] = layer_fn(first, **layers[0]).flatten().clone()
+    reference = first_layer["eager"].float()
+    for setting, out in first_layer.items():
+        error = (out.float() - reference).abs().max().item()
+        if error > 0.02 * reference.abs().max().item():
+            raise AssertionError(f"{setting}: a layer differs from eager by {error:.3g}")
+    print(f"weights {total / 1e9:.2f} GB in {LAYERS} layers, one row")
+    for setting, ms in replays_in_turns_ms(graphs).items():
+        print(f"{setting}: {ms:.3f} ms, {total / ms / 1e9:.2f} TB/s", flush=True)
+        for kernel, kernel_ms in costliest_kernels(graphs[setting], args.kernels):
+            print(f"    {kernel_ms * 1e3:7.1f} us/layer  {kernel[:110]}")
+
+
+if __name__ == "__main__":
+    run(main)
