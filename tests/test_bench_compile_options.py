@@ -33,15 +33,3 @@ def test_options_replace_the_engines_inside_the_block_only(monkeypatch):
     assert calls == [{"fullgraph": True, "options": {"max_autotune": True, "freezing": True}}, {"options": None}]
     assert longflow.compile.torch.compile is torch.compile
 
-
-def test_a_graph_pass_named_in_the_options_is_the_pass(monkeypatch):
-    from evals.bench.gemv_inputs import StoreCostlyGemvInputs
-
-    calls = []
-    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: calls.append(kwargs))
-    model = types.SimpleNamespace(longflow_compiled_forwards={})
-    with inductor_options(model, {"post_grad_custom_post_pass": "store_costly_gemv_inputs"}):
-        assert isinstance(torch._inductor.config.post_grad_custom_post_pass, StoreCostlyGemvInputs)
-        longflow.compile.torch.compile(print)
-    assert isinstance(calls[0]["options"]["post_grad_custom_post_pass"], StoreCostlyGemvInputs)
-    assert torch._inductor.config.post_grad_custom_post_pass is None

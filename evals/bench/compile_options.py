@@ -15,9 +15,7 @@ reset, the model's compiled forward dropped), and is timed twice, the second run
 compiled. Options are not an engine setting, so the `torch.compile` that `longflow.compile` calls is
 wrapped while each engine is built. Each line also gives the compilation's `extern_calls`, the
 kernels the compiled graphs call out to, which show whether a pass such as freezing's weight
-concatenation (`'{"freezing": true}'`) changed the matmuls. A graph pass of `evals.bench.gemv_inputs`
-is given by name: `'{"coordinate_descent_tuning": true, "combo_kernels": true,
-"post_grad_custom_post_pass": "store_costly_gemv_inputs"}'`. Needs a CUDA GPU and Hydra (the method
+concatenation (`'{"freezing": true}'`) changed the matmuls. Needs a CUDA GPU and Hydra (the method
 configs).
 """
 
@@ -32,7 +30,6 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
 import longflow.compile
-from evals.bench.gemv_inputs import resolve_passes
 
 
 @contextlib.contextmanager
@@ -46,11 +43,9 @@ def inductor_options(model, options: dict):
     compiles, where `torch.compile`'s `options` do not reach. Dynamo keeps the parameters as graph
     attributes, which freezing turns into constants, only while `freezing` is set globally; given
     as an option alone, freezing ran with no parameter to fold (none of the 326 calls out changed at
-    batch 128) and concatenated nothing. A graph pass may be named by a string
-    (`evals.bench.gemv_inputs.resolve_passes`)."""
+    batch 128) and concatenated nothing."""
     torch._dynamo.reset()
     model.longflow_compiled_forwards = {}
-    options = resolve_passes(options)
     compile_ = torch.compile
 
     def with_options(*args, **kwargs):

@@ -2,8 +2,7 @@
 projection?
 
     python -m evals.bench.mlp_fusion
-    python -m evals.bench.mlp_fusion --kernels 4 '{"realize_opcount_threshold": 8}' \
-        '{"post_grad_custom_post_pass": "store_costly_gemv_inputs"}'
+    python -m evals.bench.mlp_fusion --kernels 4 '{"realize_opcount_threshold": 8}'
 
 At a batch of one, Inductor with coordinate-descent tuning (the engine's `TUNING_OPTIONS`) lowers each
 matrix-vector product to a reduction and inlines its input's pointwise work into it. For the down
@@ -13,8 +12,7 @@ block (RMSNorm, gate, up, SwiGLU, down, residual) at one row, 36 layers of disti
 CUDA graph, compiled:
   - `fused`: as one function, as in the model's compiled step;
   - `materialized`: as two, the product stored between them (by the gate and up kernel);
-  - once per extra JSON object, as `fused` with those Inductor options on top (a graph pass of
-    `evals.bench.gemv_inputs` named by a string).
+  - once per extra JSON object, as `fused` with those Inductor options on top.
 and, for scale, eager (cuBLAS). Each line gives the weights' bytes over the time; `--kernels N` adds
 each setting's N costliest kernels per layer. What it measured, and what the whole step did with the
 product stored: docs/engine.md ("Vanilla at batch 1"). Needs a CUDA GPU.
@@ -32,7 +30,6 @@ from torch._inductor.utils import fresh_cache
 
 from evals.bench.attention import captured, replay_ms, replays_in_turns_ms
 from evals.bench.common import require_cuda, run
-from evals.bench.gemv_inputs import resolve_passes
 from longflow.compile import TUNING_OPTIONS
 
 HIDDEN, INTERMEDIATE, LAYERS, EPS = 4096, 12288, 36, 1e-6  # Qwen3-8B
@@ -63,7 +60,7 @@ def settings(extra: list[dict]) -> dict[str, tuple[dict | None, bool]]:
     """name -> (Inductor options or None for eager, whether the product is stored between two graphs)."""
     named = {"eager (cuBLAS)": (None, False), "fused": (TUNING_OPTIONS, False),
              "materialized": (TUNING_OPTIONS, True)}
-    return named | {f"fused + {json.dumps(options)}": (TUNING_OPTIONS | resolve_passes(options), False)
+    return named | {f"fused + {json.dumps(options)}": (TUNING_OPTIONS | options, False)
                     for options in extra}
 
 
