@@ -2,15 +2,20 @@
 
     python -m evals.bench.gemv_chain                 # eager, Inductor, and the Triton GEMV with and without PDL
     python -m evals.bench.gemv_chain --sweep         # each shape's launch configurations first
+    python -m evals.bench.gemv_chain --sweep --norms # with the decoder layer's RMSNorms and residual adds
 
 At a batch of one the decode step is a chain of matrix-vector products, each reading its weights once
 and the previous product's output. In the engine's compiled step (docs/engine.md, "Vanilla at batch
-1") the large ones run near the copy rate and the small ones do not: each kernel ramps up and drains,
-and over 36 layers of q/k/v, o, gate/up and down the ramps and tails are a tenth of the step. This
+1") the large ones run near the copy rate and the small ones do not (on an H100, gate|up at 3.1 TB/s,
+q|k|v and down at 2.5-2.6, o at 1.9-2.6): a short kernel's ramp and drain are a large part of it. This
 benchmark times that chain alone. Per layer, Qwen3-8B's products with q|k|v and gate|up concatenated:
   qkv [6144, 4096] -> o [4096, 4096] (reading qkv's first 4096 outputs, attention's stand-in)
   -> gate|up [24576, 4096] -> down [4096, 12288] (reading silu(gate) * up) -> the next layer's qkv,
-36 layers of distinct weights (13.9 GB) in one CUDA graph, as
+36 layers of distinct weights (13.9 GB) in one CUDA graph. With `--norms` the chain is the decoder
+layer's: Qwen3's RMSNorm before q|k|v and before gate|up, the residual added after o and after down;
+the Triton GEMV then computes the norm in its input's load (RMSNorm's scale is one number a row, so
+the sum of squares runs beside the products and scales the result once) and adds the residual in
+its store, as Inductor fuses them into its reductions. Timed as
   - `eager`: cuBLAS (`F.linear`) and PyTorch's SwiGLU;
   - `inductor`: each layer compiled with the engine's options at a batch of one (`TUNING_OPTIONS`);
   - `triton`: `gemv_kernel`, each program `block_n` rows, the SwiGLU computed where down reads it;
@@ -36,9 +41,9 @@ import triton
 import triton.language as tl
 from torch._inductor.utils import fresh_cache
 
-from evals.bench.attention import captured, graph_ms, replays_in_turns_ms
+from evals.bench.attention import captured, graph_ms
 from evals.bench.common import require_cuda, run
-from evals.bench.mlp_fusion import costliest_kernels
+from evals.bench.mlp_fusion import EPS, check_close, normed, print_rates
 from longflow.compile import TUNING_OPTIONS
 from longflow.kernels.reductions import reduce_sum
 
@@ -68,10 +73,21 @@ def _input(x, cols, K: tl.constexpr, SWIGLU: tl.constexpr):
 
 
 @triton.jit
-def gemv_kernel(weight, x, out, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                HEAD_K: tl.constexpr, SWIGLU: tl.constexpr, PDL: tl.constexpr):
-    """`out[n] = sum_k weight[n, k] * input[k]` for this program's BLOCK_N rows; `weight` `[N, K]`
-    row-major, `x` `[K]` (or `[2K]`, gate then up, with SWIGLU), `out` `[N]`."""
+def _scaled(inputs, norm, cols, NORM: tl.constexpr):
+    """`inputs` times the RMSNorm weight at `cols` (with NORM)."""
+    if NORM:
+        return inputs * tl.load(norm + cols).to(tl.float32)
+    else:
+        return inputs
+
+
+@triton.jit
+def gemv_kernel(weight, x, out, norm, residual, N, eps, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, HEAD_K: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
+                RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    """`out[n] = sum_k weight[n, k] * input[k] (+ residual[n])` for this program's BLOCK_N rows;
+    `weight` `[N, K]` row-major, `x` `[K]` (or `[2K]`, gate then up, with SWIGLU), `out` `[N]`; with
+    NORM the input is `x` RMS-normed and times `norm` `[K]`."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     if PDL:
@@ -81,26 +97,36 @@ def gemv_kernel(weight, x, out, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK
     if PDL:
         # everything above reads weights only; the input is the previous kernel's output
         tl.extra.cuda.gdc_wait()
-    acc = reduce_sum(head_weights.to(tl.float32) * _input(x, head, K, SWIGLU)[None, :], 1)
+    inputs = _input(x, head, K, SWIGLU)
+    squares = reduce_sum(inputs * inputs, 0)  # read only with NORM; the compiler drops it otherwise
+    acc = reduce_sum(head_weights.to(tl.float32) * _scaled(inputs, norm, head, NORM)[None, :], 1)
     for start in tl.static_range(HEAD_K, K, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         w = tl.load(weight + rows[:, None] * K + cols[None, :], mask=row_ok[:, None], other=0.0)
-        acc += reduce_sum(w.to(tl.float32) * _input(x, cols, K, SWIGLU)[None, :], 1)
+        inputs = _input(x, cols, K, SWIGLU)
+        squares += reduce_sum(inputs * inputs, 0)
+        acc += reduce_sum(w.to(tl.float32) * _scaled(inputs, norm, cols, NORM)[None, :], 1)
+    if NORM:
+        acc = acc / tl.sqrt(squares / K + eps)
+    if RESIDUAL:
+        acc += tl.load(residual + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out + rows, acc.to(out.dtype.element_ty), mask=row_ok)
 
 
 def gemv(weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor, config: GemvConfig = GemvConfig(),
-         swiglu: bool = False, pdl: bool = False) -> torch.Tensor:
-    """`out` `[N]` = `weight` `[N, K]` @ input, the input `x` `[K]`, or `silu(x[:K]) * x[K:]` for `x`
-    `[2K]` with `swiglu`; `pdl` launches it as a programmatic dependent of the kernel before (sm_90)."""
+         swiglu: bool = False, pdl: bool = False, norm: torch.Tensor | None = None,
+         residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`out` `[N]` = `weight` `[N, K]` @ input (+ `residual` `[N]`), the input `x` `[K]`, Qwen3's
+    RMSNorm of it with weight `norm` `[K]`, or `silu(x[:K]) * x[K:]` for `x` `[2K]` with `swiglu`;
+    `pdl` launches it as a programmatic dependent of the kernel before (sm_90)."""
     n, k = weight.shape
     head_k = min(config.head_k, k)
     if head_k & (head_k - 1) or (k - head_k) % config.block_k:
         raise ValueError(f"{config} does not tile a row of {k}")
     options = {"launch_pdl": True} if pdl else {}
     gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        weight, x, out, n, k, config.block_n, config.block_k, head_k, swiglu, pdl,
-        num_warps=config.warps, **options)
+        weight, x, out, norm, residual, n, EPS, k, config.block_n, config.block_k, head_k, swiglu,
+        norm is not None, residual is not None, pdl, num_warps=config.warps, **options)
     return out
 
 
@@ -110,11 +136,17 @@ def layer_shapes() -> dict[str, tuple[int, int]]:
             "down": (HIDDEN, INTERMEDIATE)}
 
 
-def eager_layer(x: torch.Tensor, qkv, o, gate_up, down) -> torch.Tensor:
-    """One layer's chain, `x` `[1, HIDDEN]` -> `[1, HIDDEN]`, through cuBLAS (the reference)."""
-    attended = F.linear(x, qkv)[:, :HIDDEN]
-    gate, up = F.linear(F.linear(attended, o), gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+def eager_layer(x: torch.Tensor, qkv, o, gate_up, down, ln1=None, ln2=None) -> torch.Tensor:
+    """One layer's chain, `x` `[1, HIDDEN]` -> `[1, HIDDEN]`, through cuBLAS (the reference); with the
+    RMSNorm weights `ln1`, `ln2` `[HIDDEN]` (`--norms`), the decoder layer's norms and residual adds."""
+    if ln1 is None:
+        attended = F.linear(x, qkv)[:, :HIDDEN]
+        gate, up = F.linear(F.linear(attended, o), gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down)
+    attended = F.linear(normed(x, ln1), qkv)[:, :HIDDEN]
+    hidden = x + F.linear(attended, o)
+    gate, up = F.linear(normed(hidden, ln2), gate_up).chunk(2, dim=-1)
+    return hidden + F.linear(F.silu(gate) * up, down)
 
 
 class TritonChain:
@@ -124,13 +156,16 @@ class TritonChain:
         self.configs, self.pdl = configs, pdl
         self.buffers = {name: torch.empty(n, device=device, dtype=dtype) for name, (n, _) in layer_shapes().items()}
 
-    def layer(self, x: torch.Tensor, qkv, o, gate_up, down) -> torch.Tensor:
-        """`x` `[HIDDEN]` -> the down product's buffer `[HIDDEN]`."""
-        buf, cfg = self.buffers, self.configs
-        gemv(qkv, x, buf["qkv"], cfg["qkv"], pdl=self.pdl)
-        gemv(o, buf["qkv"], buf["o"], cfg["o"], pdl=self.pdl)  # reads qkv's first HIDDEN outputs
-        gemv(gate_up, buf["o"], buf["gate_up"], cfg["gate_up"], pdl=self.pdl)
-        return gemv(down, buf["gate_up"], buf["down"], cfg["down"], swiglu=True, pdl=self.pdl)
+    def layer(self, x: torch.Tensor, qkv, o, gate_up, down, ln1=None, ln2=None) -> torch.Tensor:
+        """`x` `[HIDDEN]` -> the down product's buffer `[HIDDEN]`; with `ln1`, `ln2` as `eager_layer`."""
+        buf, cfg, pdl = self.buffers, self.configs, self.pdl
+        residual = ln1 is not None
+        gemv(qkv, x, buf["qkv"], cfg["qkv"], pdl=pdl, norm=ln1)
+        # o reads qkv's first HIDDEN outputs, attention's stand-in
+        gemv(o, buf["qkv"], buf["o"], cfg["o"], pdl=pdl, residual=x if residual else None)
+        gemv(gate_up, buf["o"], buf["gate_up"], cfg["gate_up"], pdl=pdl, norm=ln2)
+        return gemv(down, buf["gate_up"], buf["down"], cfg["down"], swiglu=True, pdl=pdl,
+                    residual=buf["o"] if residual else None)
 
 
 def candidate_configs(k: int, full: bool) -> list[GemvConfig]:
@@ -147,13 +182,18 @@ def describe(config: GemvConfig) -> str:
 
 def swept(layers: list[dict], pdl: bool, full: bool) -> dict[str, GemvConfig]:
     """Each product's fastest configuration: its 36 launches (distinct weights, one input) in one graph,
-    with or without PDL, each candidate timed; the three fastest printed."""
+    with or without PDL, each candidate timed; the three fastest printed. With the layers' norms
+    (`--norms`), q|k|v and gate|up are timed with a norm and o and down with a residual."""
     configs = {}
+    norms = "ln1" in layers[0]
     for name, (n, k) in layer_shapes().items():
         weight = layers[0][name]
         out = torch.empty(n, device=weight.device, dtype=weight.dtype)
         source = torch.randn(2 * k if name == "down" else k, device=weight.device, dtype=weight.dtype)
-        timed = {config: graph_ms([partial(gemv, layer[name], source, out, config, name == "down", pdl)
+        extras = {}
+        if norms:
+            extras = {"norm": layers[0]["ln1"]} if name in ("qkv", "gate_up") else {"residual": torch.randn_like(out)}
+        timed = {config: graph_ms([partial(gemv, layer[name], source, out, config, name == "down", pdl, **extras)
                                    for layer in layers])
                  for config in candidate_configs(k, full)}
         configs[name] = min(timed, key=timed.get)
@@ -168,11 +208,16 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time each shape's configurations first")
     parser.add_argument("--full", action="store_true", help="with --sweep: the wide grid")
     parser.add_argument("--kernels", type=int, default=0, help="each setting's costliest kernels listed")
+    parser.add_argument("--norms", action="store_true", help="the decoder layer's RMSNorms and residual adds too")
     args = parser.parse_args()
     require_cuda("evals.bench.gemv_chain")
     device, dtype = torch.device("cuda"), torch.bfloat16
     layers = [{name: torch.randn(n, k, device=device, dtype=dtype) / k**0.5 for name, (n, k) in layer_shapes().items()}
               for _ in range(LAYERS)]
+    if args.norms:
+        for layer in layers:
+            layer.update(ln1=1 + 0.1 * torch.randn(HIDDEN, device=device, dtype=dtype),
+                         ln2=1 + 0.1 * torch.randn(HIDDEN, device=device, dtype=dtype))
     total = sum(w.numel() * w.element_size() for layer in layers for w in layer.values())
     x = torch.randn(HIDDEN, device=device, dtype=dtype)
 
@@ -197,16 +242,10 @@ def main() -> None:
             alive[setting] = (layer_fn, outputs)
             graphs[setting] = captured([lambda w=w, f=layer_fn, o=outputs: o.append(f(o[-1], **w)) for w in layers])
             first_layer[setting] = layer_fn(first, **layers[0]).flatten().clone()
-    reference = first_layer["eager"].float()
     for setting, out in first_layer.items():
-        error = (out.float() - reference).abs().max().item()
-        if error > 0.02 * reference.abs().max().item():
-            raise AssertionError(f"{setting}: a layer differs from eager by {error:.3g}")
+        check_close(f"{setting}'s first layer", out, first_layer["eager"])
     print(f"weights {total / 1e9:.2f} GB in {LAYERS} layers, one row")
-    for setting, ms in replays_in_turns_ms(graphs).items():
-        print(f"{setting}: {ms:.3f} ms, {total / ms / 1e9:.2f} TB/s", flush=True)
-        for kernel, kernel_ms in costliest_kernels(graphs[setting], args.kernels):
-            print(f"    {kernel_ms * 1e3:7.1f} us/layer  {kernel[:110]}")
+    print_rates(graphs, total, args.kernels)
 
 
 if __name__ == "__main__":

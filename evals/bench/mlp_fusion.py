@@ -87,6 +87,23 @@ def costliest_kernels(graph: torch.cuda.CUDAGraph, count: int) -> list[tuple[str
     return sorted(totals.items(), key=lambda item: -item[1])[:count]
 
 
+def check_close(name: str, out: torch.Tensor, reference: torch.Tensor) -> None:
+    """Refuses a setting whose output is not `reference`'s: bf16 products summed in other orders are
+    equal to rounding, not bit for bit, so within 2% of the reference's largest magnitude."""
+    error = (out.float() - reference.float()).abs().max().item()
+    if error > 0.02 * reference.float().abs().max().item():
+        raise AssertionError(f"{name}: differs from eager by {error:.3g}")
+
+
+def print_rates(graphs: dict[str, torch.cuda.CUDAGraph], total_bytes: int, kernels: int) -> None:
+    """Each graph's replay (in turns) with the weights' bytes over it, and its `kernels` costliest
+    kernels per layer."""
+    for name, ms in replays_in_turns_ms(graphs).items():
+        print(f"{name}: {ms:.3f} ms, {total_bytes / ms / 1e9:.2f} TB/s", flush=True)
+        for kernel, kernel_ms in costliest_kernels(graphs[name], kernels):
+            print(f"    {kernel_ms * 1e3:7.1f} us/layer  {kernel[:110]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("options", nargs="*", type=json.loads, help="Inductor options on top of the engine's, JSON")
@@ -112,16 +129,10 @@ def main() -> None:
             out = calls[-1]()
         if reference is None:
             reference = out
-        # bf16 products summed in other orders: equal to rounding, not bit for bit
-        error = (out.float() - reference.float()).abs().max().item()
-        if error > 0.02 * reference.float().abs().max().item():
-            raise AssertionError(f"{name}: differs from eager by {error:.3g}")
+        check_close(name, out, reference)
     print(f"weights {total / 1e9:.2f} GB in {LAYERS} layers, one row")
     # each graph was captured under its own options: `interleaved_ms` would capture (and compile) again
-    for name, ms in replays_in_turns_ms(graphs).items():
-        print(f"{name}: {ms:.3f} ms, {total / ms / 1e9:.2f} TB/s", flush=True)
-        for kernel, kernel_ms in costliest_kernels(graphs[name], args.kernels):
-            print(f"    {kernel_ms * 1e3:7.1f} us/layer  {kernel[:110]}")
+    print_rates(graphs, total, args.kernels)
 
 
 if __name__ == "__main__":
