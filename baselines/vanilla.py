@@ -12,9 +12,10 @@ the eager two-matmul attention of `longflow.attention` on the CPU, exact over al
 ones are masked), `triton` (the kernel everywhere, through Triton's interpreter on the CPU: tests)
 or `eager`.
 
-`one_launch` (off by default until it has been timed and tested on a GPU): with the kernel, a
-layer's step is one launch, `longflow.kernels.append_decode` (the token's write, the attention and
-the combine of its splits), where the base class's write, `flash_decode` and its combine are three.
+`one_launch` (off by default: tested on a GPU, and no faster in the batch-1 step on an H100,
+docs/engine.md): with the kernel, a layer's step is one launch, `longflow.kernels.append_decode`
+(the token's write, the attention and the combine of its splits), where the base class's write,
+`flash_decode` and its combine are three.
 At batch 1 the step is about 450 short kernels, and launches are part of its time. `store` then
 hands the token's k and v to `attend` instead of writing them, which transformers' attention
 modules allow: what `Cache.update` returns is what they pass to the attention function. Both
