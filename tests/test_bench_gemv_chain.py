@@ -105,6 +105,22 @@ def test_the_chain_layer_is_the_cublas_layer(monkeypatch, norms):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_the_norms_computed_apart_give_the_same_layer(monkeypatch):
+    weights, x = small_layer(monkeypatch, norms=True)
+    small = GemvConfig(block_n=4, block_k=16, head_k=16)
+    calls = []
+
+    def norm_kernel(hidden, weight):
+        calls.append(weight)
+        return qwen3_norm(hidden, weight)
+
+    chain = gemv_chain.TritonChain(dict.fromkeys(gemv_chain.layer_shapes(), small), pdl=False, device=DEVICE,
+                                   dtype=torch.float32, norm_kernel=norm_kernel)
+    torch.testing.assert_close(chain.layer(x, **weights), gemv_chain.eager_layer(x[None], **weights)[0],
+                               rtol=1e-4, atol=1e-4)
+    assert [w.data_ptr() for w in calls] == [weights["ln1"].data_ptr(), weights["ln2"].data_ptr()]
+
+
 def test_the_normed_layer_is_the_decoder_layers_norms_and_residual_adds(monkeypatch):
     weights, x = small_layer(monkeypatch, norms=True)
     hidden = x[None]

@@ -21,7 +21,10 @@ its store, as Inductor fuses them into its reductions. Timed as
   - `triton`: `gemv_kernel`, each program `block_n` rows, the SwiGLU computed where down reads it;
   - `triton_pdl`: the same kernels under programmatic dependent launch (sm_90): a kernel's programs
     start while the one before drains, load the first `head_k` columns of their weights (which do not
-    depend on it), and wait (`gdc_wait`) only before reading its output.
+    depend on it), and wait (`gdc_wait`) only before reading its output;
+  - with `--norms`, `triton_split` and `triton_split_pdl`: the norms left to Inductor's kernels
+    (compiled with the engine's options, and its own PDL in the second) and the products reading
+    their output, as a graph pass that put only the products in place of Inductor's would leave them.
 Each line gives the weights' bytes over the time; `--kernels N` adds each setting's N costliest
 kernels per layer. The Triton kernel is written here, not taken from a library, because the question
 is whether loading weights before the wait pays, which neither cuBLAS nor Inductor's reductions do.
@@ -150,20 +153,31 @@ def eager_layer(x: torch.Tensor, qkv, o, gate_up, down, ln1=None, ln2=None) -> t
 
 
 class TritonChain:
-    """The chain through `gemv`, with its intermediate buffers allocated once (graph-capturable)."""
+    """The chain through `gemv`, with its intermediate buffers allocated once (graph-capturable).
+    `norm_kernel` (`--norms` only): the RMSNorms computed apart, by this function of (`[1, HIDDEN]`
+    hidden, weight), and the products reading its output, instead of the norm in the products' load."""
 
-    def __init__(self, configs: dict[str, GemvConfig], pdl: bool, device: torch.device, dtype: torch.dtype):
-        self.configs, self.pdl = configs, pdl
+    def __init__(self, configs: dict[str, GemvConfig], pdl: bool, device: torch.device, dtype: torch.dtype,
+                 norm_kernel=None):
+        self.configs, self.pdl, self.norm_kernel = configs, pdl, norm_kernel
         self.buffers = {name: torch.empty(n, device=device, dtype=dtype) for name, (n, _) in layer_shapes().items()}
+
+    def normed_input(self, x: torch.Tensor, norm: torch.Tensor | None):
+        """(the product's input, the norm left for the product to apply) for `x` `[HIDDEN]`."""
+        if norm is None or self.norm_kernel is None:
+            return x, norm
+        return self.norm_kernel(x[None], norm)[0], None
 
     def layer(self, x: torch.Tensor, qkv, o, gate_up, down, ln1=None, ln2=None) -> torch.Tensor:
         """`x` `[HIDDEN]` -> the down product's buffer `[HIDDEN]`; with `ln1`, `ln2` as `eager_layer`."""
         buf, cfg, pdl = self.buffers, self.configs, self.pdl
         residual = ln1 is not None
-        gemv(qkv, x, buf["qkv"], cfg["qkv"], pdl=pdl, norm=ln1)
+        source, norm = self.normed_input(x, ln1)
+        gemv(qkv, source, buf["qkv"], cfg["qkv"], pdl=pdl, norm=norm)
         # o reads qkv's first HIDDEN outputs, attention's stand-in
         gemv(o, buf["qkv"], buf["o"], cfg["o"], pdl=pdl, residual=x if residual else None)
-        gemv(gate_up, buf["o"], buf["gate_up"], cfg["gate_up"], pdl=pdl, norm=ln2)
+        source, norm = self.normed_input(buf["o"], ln2)
+        gemv(gate_up, source, buf["gate_up"], cfg["gate_up"], pdl=pdl, norm=norm)
         return gemv(down, buf["gate_up"], buf["down"], cfg["down"], swiglu=True, pdl=pdl,
                     residual=buf["o"] if residual else None)
 
@@ -227,7 +241,8 @@ def main() -> None:
     # A graph replays into the tensors it was captured with: `alive` keeps each setting's chain buffers
     # and every layer output (warm-up ones included) from going back to the allocator.
     graphs, first_layer, alive = {}, {}, {}
-    for setting in ("eager", "inductor", "triton", "triton_pdl"):
+    settings = ["eager", "inductor", "triton", "triton_pdl"] + ["triton_split", "triton_split_pdl"] * args.norms
+    for setting in settings:
         torch._dynamo.reset()
         with fresh_cache():
             if setting in ("eager", "inductor"):
@@ -235,8 +250,13 @@ def main() -> None:
                     eager_layer, fullgraph=True, options=TUNING_OPTIONS)
                 first = x[None]
             else:
-                pdl = setting == "triton_pdl"
-                chain = TritonChain(configs[pdl], pdl, device, dtype)
+                pdl = setting.endswith("_pdl")
+                norm_kernel = None
+                if setting.startswith("triton_split"):
+                    # Inductor's norm kernel, under its own PDL beside PDL products
+                    norm_kernel = torch.compile(normed, fullgraph=True,
+                                                options=TUNING_OPTIONS | {"triton.enable_pdl": pdl})
+                chain = TritonChain(configs[pdl], pdl, device, dtype, norm_kernel)
                 layer_fn, first = chain.layer, x
             outputs = [first.clone()]
             alive[setting] = (layer_fn, outputs)
