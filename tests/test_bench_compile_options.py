@@ -32,4 +32,3 @@ def test_options_replace_the_engines_inside_the_block_only(monkeypatch):
     longflow.compile.torch.compile(print, options=None)
     assert calls == [{"fullgraph": True, "options": {"max_autotune": True, "freezing": True}}, {"options": None}]
     assert longflow.compile.torch.compile is torch.compile
-

@@ -47,10 +47,11 @@ from torch._inductor.utils import fresh_cache
 from evals.bench.attention import captured, graph_ms
 from evals.bench.common import require_cuda, run
 from evals.bench.mlp_fusion import EPS, check_close, normed, print_rates
+from evals.bench.weight_matmuls import HIDDEN, INTERMEDIATE, KV, LAYERS
 from longflow.compile import TUNING_OPTIONS
 from longflow.kernels.reductions import reduce_sum
 
-HIDDEN, QKV, INTERMEDIATE, LAYERS = 4096, 6144, 12288, 36  # Qwen3-8B: 32 + 2 x 8 heads of 128
+QKV = HIDDEN + 2 * KV  # q, k and v concatenated
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,9 @@ class GemvConfig:
     block_k: int = 1024
     head_k: int = 1024
     warps: int = 4
+
+    def __str__(self) -> str:
+        return f"{self.block_n}x{self.block_k} head {self.head_k} warps {self.warps}"
 
 
 @triton.jit
@@ -190,10 +194,6 @@ def candidate_configs(k: int, full: bool) -> list[GemvConfig]:
     return [c for c in configs if c.head_k <= k and (k - c.head_k) % c.block_k == 0]
 
 
-def describe(config: GemvConfig) -> str:
-    return f"{config.block_n}x{config.block_k} head {config.head_k} warps {config.warps}"
-
-
 def swept(layers: list[dict], pdl: bool, full: bool) -> dict[str, GemvConfig]:
     """Each product's fastest configuration: its 36 launches (distinct weights, one input) in one graph,
     with or without PDL, each candidate timed; the three fastest printed. With the layers' norms
@@ -206,13 +206,14 @@ def swept(layers: list[dict], pdl: bool, full: bool) -> dict[str, GemvConfig]:
         source = torch.randn(2 * k if name == "down" else k, device=weight.device, dtype=weight.dtype)
         extras = {}
         if norms:
-            extras = {"norm": layers[0]["ln1"]} if name in ("qkv", "gate_up") else {"residual": torch.randn_like(out)}
+            norm = {"qkv": "ln1", "gate_up": "ln2"}.get(name)
+            extras = {"norm": layers[0][norm]} if norm else {"residual": torch.randn_like(out)}
         timed = {config: graph_ms([partial(gemv, layer[name], source, out, config, name == "down", pdl, **extras)
                                    for layer in layers])
                  for config in candidate_configs(k, full)}
         configs[name] = min(timed, key=timed.get)
         print(f"{name} [{n}, {k}]{' PDL' if pdl else ''}: " + "; ".join(
-            f"{describe(c)}: {ms * 1e3:.1f} us, {n * k * 2 / ms / 1e9:.2f} TB/s"
+            f"{c}: {ms * 1e3:.1f} us, {n * k * 2 / ms / 1e9:.2f} TB/s"
             for c, ms in sorted(timed.items(), key=lambda item: item[1])[:3]), flush=True)
     return configs
 

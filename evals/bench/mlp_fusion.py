@@ -30,9 +30,10 @@ from torch._inductor.utils import fresh_cache
 
 from evals.bench.attention import captured, replay_ms, replays_in_turns_ms
 from evals.bench.common import require_cuda, run
+from evals.bench.weight_matmuls import HIDDEN, INTERMEDIATE, LAYERS
 from longflow.compile import TUNING_OPTIONS
 
-HIDDEN, INTERMEDIATE, LAYERS, EPS = 4096, 12288, 36, 1e-6  # Qwen3-8B
+EPS = 1e-6  # Qwen3-8B's RMSNorm
 
 
 def normed(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
