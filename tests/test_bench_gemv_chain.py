@@ -1,8 +1,7 @@
-"""`evals.bench.gemv_chain`'s Triton GEMV against `F.linear` (and PyTorch's SwiGLU for the down product,
-transformers' Qwen3 RMSNorm for a normed input), on rows that are not a multiple of the program's,
-with a head of columns shorter than the row; its chain layer against the same layer through cuBLAS,
-and that layer's `--norms` form against transformers' RMSNorm and the residual adds. Through Triton's
-interpreter on a machine without CUDA (set before Triton defines the kernel), at small shapes."""
+"""`evals.bench.gemv_chain`: its chain layer through `longflow.kernels.gemv` (tested on its own in
+tests/test_gemv_kernel.py) against the same layer through cuBLAS, that layer's `--norms` form against
+transformers' RMSNorm and the residual adds, and its sweep's candidates. Through Triton's interpreter
+on a machine without CUDA (set before Triton defines the kernel), at small shapes."""
 
 from __future__ import annotations
 
@@ -18,42 +17,11 @@ import torch.nn.functional as F  # noqa: E402
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
 
 from evals.bench import gemv_chain  # noqa: E402
-from evals.bench.gemv_chain import GemvConfig, gemv  # noqa: E402
+from longflow.kernels.gemv import GemvConfig  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def inputs(n: int, k: int, x_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(n, k, generator=generator) / k**0.5
-    return weight.to(DEVICE), torch.randn(x_len, generator=generator).to(DEVICE)
-
-
-@pytest.mark.parametrize("config", [GemvConfig(block_n=4, block_k=16, head_k=32, warps=4),
-                                    GemvConfig(block_n=1, block_k=32, head_k=64, warps=4),
-                                    GemvConfig(block_n=8, block_k=32, head_k=128, warps=8)])
-def test_gemv_is_the_matrix_vector_product(config):
-    weight, x = inputs(n=10, k=96 if config.head_k < 96 else 128, x_len=128, seed=0)
-    k = weight.shape[1]
-    x = x[:k]
-    out = gemv(weight, x, torch.empty(10, device=DEVICE), config)
-    torch.testing.assert_close(out, F.linear(x, weight), rtol=1e-5, atol=1e-5)
-
-
-def test_the_down_product_reads_silu_gate_times_up():
-    weight, x = inputs(n=6, k=64, x_len=128, seed=1)
-    out = gemv(weight, x, torch.empty(6, device=DEVICE), GemvConfig(block_n=4, block_k=16, head_k=32), swiglu=True)
-    torch.testing.assert_close(out, F.linear(F.silu(x[:64]) * x[64:], weight), rtol=1e-5, atol=1e-5)
-
-
-def test_a_config_that_does_not_tile_the_row_is_refused():
-    weight, x = inputs(n=4, k=96, x_len=96, seed=2)
-    with pytest.raises(ValueError, match="does not tile"):
-        gemv(weight, x, torch.empty(4, device=DEVICE), GemvConfig(block_k=64, head_k=64))
-    with pytest.raises(ValueError, match="does not tile"):
-        gemv(weight, x, torch.empty(4, device=DEVICE), GemvConfig(block_k=16, head_k=48))
 
 
 def test_the_candidates_tile_each_row():
@@ -69,17 +37,6 @@ def qwen3_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         norm.weight.copy_(weight)
         return norm(x)
-
-
-def test_a_normed_input_with_a_residual_is_qwen3s_rmsnorm_then_the_product_plus_the_residual():
-    weight, x = inputs(n=10, k=96, x_len=96, seed=4)
-    generator = torch.Generator().manual_seed(5)
-    norm = (1 + 0.3 * torch.randn(96, generator=generator)).to(DEVICE)
-    residual = torch.randn(10, generator=generator).to(DEVICE)
-    config = GemvConfig(block_n=4, block_k=16, head_k=32)
-    out = gemv(weight, 3 * x, torch.empty(10, device=DEVICE), config, norm=norm, residual=residual)
-    expected = F.linear(qwen3_norm(3 * x, norm), weight) + residual
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 def small_layer(monkeypatch, norms: bool, seed: int = 3):

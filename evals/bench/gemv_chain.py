@@ -18,7 +18,8 @@ the sum of squares runs beside the products and scales the result once) and adds
 its store, as Inductor fuses them into its reductions. Timed as
   - `eager`: cuBLAS (`F.linear`) and PyTorch's SwiGLU;
   - `inductor`: each layer compiled with the engine's options at a batch of one (`TUNING_OPTIONS`);
-  - `triton`: `gemv_kernel`, each program `block_n` rows, the SwiGLU computed where down reads it;
+  - `triton`: `longflow.kernels.gemv`, each program `block_n` rows, the SwiGLU computed where down
+    reads it (the engine's kernel with `engine.compile_gemv`);
   - `triton_pdl`: the same kernels under programmatic dependent launch (sm_90): a kernel's programs
     start while the one before drains, load the first `head_k` columns of their weights (which do not
     depend on it), and wait (`gdc_wait`) only before reading its output;
@@ -26,8 +27,8 @@ its store, as Inductor fuses them into its reductions. Timed as
     (compiled with the engine's options, and its own PDL in the second) and the products reading
     their output, as a graph pass that put only the products in place of Inductor's would leave them.
 Each line gives the weights' bytes over the time; `--kernels N` adds each setting's N costliest
-kernels per layer. The Triton kernel is written here, not taken from a library, because the question
-is whether loading weights before the wait pays, which neither cuBLAS nor Inductor's reductions do.
+kernels per layer. The Triton kernel is the project's, not a library's, because the question is
+whether loading weights before the wait pays, which neither cuBLAS nor Inductor's reductions do.
 Needs a CUDA GPU.
 """
 
@@ -35,13 +36,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 from torch._inductor.utils import fresh_cache
 
 from evals.bench.attention import captured, graph_ms
@@ -49,92 +47,9 @@ from evals.bench.common import require_cuda, run
 from evals.bench.mlp_fusion import EPS, check_close, normed, print_rates
 from evals.bench.weight_matmuls import HIDDEN, INTERMEDIATE, KV, LAYERS
 from longflow.compile import TUNING_OPTIONS
-from longflow.kernels.reductions import reduce_sum
+from longflow.kernels.gemv import GemvConfig, gemv
 
 QKV = HIDDEN + 2 * KV  # q, k and v concatenated
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    """One launch configuration: rows per program, columns per loop step, columns loaded before the
-    wait (a power of two, at most the row's length), warps."""
-
-    block_n: int = 4
-    block_k: int = 1024
-    head_k: int = 1024
-    warps: int = 4
-
-    def __str__(self) -> str:
-        return f"{self.block_n}x{self.block_k} head {self.head_k} warps {self.warps}"
-
-
-@triton.jit
-def _input(x, cols, K: tl.constexpr, SWIGLU: tl.constexpr):
-    """The product's input at `cols` in float32: `x[cols]`, or `silu(x[cols]) * x[K + cols]`."""
-    if SWIGLU:
-        gate = tl.load(x + cols).to(tl.float32)
-        up = tl.load(x + K + cols).to(tl.float32)
-        return gate / (1.0 + tl.exp(-gate)) * up  # tl.sigmoid: see longflow.kernels.reductions
-    else:
-        return tl.load(x + cols).to(tl.float32)
-
-
-@triton.jit
-def _scaled(inputs, norm, cols, NORM: tl.constexpr):
-    """`inputs` times the RMSNorm weight at `cols` (with NORM)."""
-    if NORM:
-        return inputs * tl.load(norm + cols).to(tl.float32)
-    else:
-        return inputs
-
-
-@triton.jit
-def gemv_kernel(weight, x, out, norm, residual, N, eps, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, HEAD_K: tl.constexpr, SWIGLU: tl.constexpr, NORM: tl.constexpr,
-                RESIDUAL: tl.constexpr, PDL: tl.constexpr):
-    """`out[n] = sum_k weight[n, k] * input[k] (+ residual[n])` for this program's BLOCK_N rows;
-    `weight` `[N, K]` row-major, `x` `[K]` (or `[2K]`, gate then up, with SWIGLU), `out` `[N]`; with
-    NORM the input is `x` RMS-normed and times `norm` `[K]`."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    head = tl.arange(0, HEAD_K)
-    head_weights = tl.load(weight + rows[:, None] * K + head[None, :], mask=row_ok[:, None], other=0.0)
-    if PDL:
-        # everything above reads weights only; the input is the previous kernel's output
-        tl.extra.cuda.gdc_wait()
-    inputs = _input(x, head, K, SWIGLU)
-    squares = reduce_sum(inputs * inputs, 0)  # read only with NORM; the compiler drops it otherwise
-    acc = reduce_sum(head_weights.to(tl.float32) * _scaled(inputs, norm, head, NORM)[None, :], 1)
-    for start in tl.static_range(HEAD_K, K, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        w = tl.load(weight + rows[:, None] * K + cols[None, :], mask=row_ok[:, None], other=0.0)
-        inputs = _input(x, cols, K, SWIGLU)
-        squares += reduce_sum(inputs * inputs, 0)
-        acc += reduce_sum(w.to(tl.float32) * _scaled(inputs, norm, cols, NORM)[None, :], 1)
-    if NORM:
-        acc = acc / tl.sqrt(squares / K + eps)
-    if RESIDUAL:
-        acc += tl.load(residual + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out + rows, acc.to(out.dtype.element_ty), mask=row_ok)
-
-
-def gemv(weight: torch.Tensor, x: torch.Tensor, out: torch.Tensor, config: GemvConfig = GemvConfig(),
-         swiglu: bool = False, pdl: bool = False, norm: torch.Tensor | None = None,
-         residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`out` `[N]` = `weight` `[N, K]` @ input (+ `residual` `[N]`), the input `x` `[K]`, Qwen3's
-    RMSNorm of it with weight `norm` `[K]`, or `silu(x[:K]) * x[K:]` for `x` `[2K]` with `swiglu`;
-    `pdl` launches it as a programmatic dependent of the kernel before (sm_90)."""
-    n, k = weight.shape
-    head_k = min(config.head_k, k)
-    if head_k & (head_k - 1) or (k - head_k) % config.block_k:
-        raise ValueError(f"{config} does not tile a row of {k}")
-    options = {"launch_pdl": True} if pdl else {}
-    gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        weight, x, out, norm, residual, n, EPS, k, config.block_n, config.block_k, head_k, swiglu,
-        norm is not None, residual is not None, pdl, num_warps=config.warps, **options)
-    return out
 
 
 def layer_shapes() -> dict[str, tuple[int, int]]:
@@ -177,13 +92,13 @@ class TritonChain:
         buf, cfg, pdl = self.buffers, self.configs, self.pdl
         residual = ln1 is not None
         source, norm = self.normed_input(x, ln1)
-        gemv(qkv, source, buf["qkv"], cfg["qkv"], pdl=pdl, norm=norm)
+        gemv(source, [qkv], buf["qkv"], norm=norm, eps=EPS, config=cfg["qkv"], pdl=pdl)
         # o reads qkv's first HIDDEN outputs, attention's stand-in
-        gemv(o, buf["qkv"], buf["o"], cfg["o"], pdl=pdl, residual=x if residual else None)
+        gemv(buf["qkv"][:HIDDEN], [o], buf["o"], residual=x if residual else None, config=cfg["o"], pdl=pdl)
         source, norm = self.normed_input(buf["o"], ln2)
-        gemv(gate_up, source, buf["gate_up"], cfg["gate_up"], pdl=pdl, norm=norm)
-        return gemv(down, buf["gate_up"], buf["down"], cfg["down"], swiglu=True, pdl=pdl,
-                    residual=buf["o"] if residual else None)
+        gemv(source, [gate_up], buf["gate_up"], norm=norm, eps=EPS, config=cfg["gate_up"], pdl=pdl)
+        return gemv(buf["gate_up"], [down], buf["down"], residual=buf["o"] if residual else None, swiglu=True,
+                    config=cfg["down"], pdl=pdl)
 
 
 def candidate_configs(k: int, full: bool) -> list[GemvConfig]:
@@ -208,8 +123,8 @@ def swept(layers: list[dict], pdl: bool, full: bool) -> dict[str, GemvConfig]:
         if norms:
             norm = {"qkv": "ln1", "gate_up": "ln2"}.get(name)
             extras = {"norm": layers[0][norm]} if norm else {"residual": torch.randn_like(out)}
-        timed = {config: graph_ms([partial(gemv, layer[name], source, out, config, name == "down", pdl, **extras)
-                                   for layer in layers])
+        timed = {config: graph_ms([partial(gemv, source, [layer[name]], out, swiglu=name == "down", config=config,
+                                           pdl=pdl, eps=EPS, **extras) for layer in layers])
                  for config in candidate_configs(k, full)}
         configs[name] = min(timed, key=timed.get)
         print(f"{name} [{n}, {k}]{' PDL' if pdl else ''}: " + "; ".join(

@@ -2,7 +2,8 @@
 with the score epilogues of the other step methods (`scored_attention`: H2O, VATP, TOVA), its
 flash-decoding pass without the score (`flash_decode`), vanilla's whole decode step of a layer in one
 launch (`append_decode`: the token's write, that pass and its combine), the decode token's slot write
-(`write_token`), R-KV's newest near-duplicate search (`newest_duplicates`), its
+(`write_token`), the batch-of-one step's products with the norm, SwiGLU and residual around them
+(`gemv`), R-KV's newest near-duplicate search (`newest_duplicates`), its
 similarities' column sums (`similarity_sums`) and its window importance (`window_importance`), and
 an interval method's compaction of K and V in place (`compact_in_place`).
 
@@ -18,6 +19,7 @@ from longflow.kernels.reference import reference
 try:
     from longflow.kernels.compaction import compact_in_place
     from longflow.kernels.duplicates import newest_duplicates
+    from longflow.kernels.gemv import gemv
     from longflow.kernels.longflow_attention import append_decode, flash_decode, longflow_attention, scored_attention
     from longflow.kernels.similarity_sums import similarity_sums
     from longflow.kernels.slot_write import write_token
@@ -52,6 +54,9 @@ except ImportError as error:  # Triton is a Linux-only dependency
     def window_importance(*args, **kwargs):
         raise ImportError(f"the window-importance kernel needs Triton: {_triton_error}")
 
+    def gemv(*args, **kwargs):
+        raise ImportError(f"the GEMV kernel needs Triton: {_triton_error}")
 
-__all__ = ["append_decode", "compact_in_place", "flash_decode", "longflow_attention", "newest_duplicates", "reference",
-           "scored_attention", "similarity_sums", "window_importance", "write_token"]
+
+__all__ = ["append_decode", "compact_in_place", "flash_decode", "gemv", "longflow_attention", "newest_duplicates",
+           "reference", "scored_attention", "similarity_sums", "window_importance", "write_token"]

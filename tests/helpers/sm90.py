@@ -37,7 +37,7 @@ SHARED_BYTES = 232448  # the most shared memory one program may take on sm_90 (2
 SMS, L2_BYTES = 132, 50 * 2**20  # an H100/H200, so that the launch configurations are the GPU's
 POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
                  torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
 def kernel_modules() -> list:
@@ -137,6 +137,7 @@ def host_calls() -> None:
         append_decode,
         compact_in_place,
         flash_decode,
+        gemv,
         longflow_attention,
         newest_duplicates,
         scored_attention,
@@ -147,6 +148,14 @@ def host_calls() -> None:
     from longflow.kernels.longflow_attention import SCORES, LaunchConfig
 
     q_heads, kv_heads, slots, head_dim = 32, 8, 320, 128
+    hidden, intermediate = q_heads * head_dim, 12288
+    for dtype in (torch.bfloat16, torch.float32):
+        x, up = torch.randn(hidden, dtype=dtype), torch.randn(2 * intermediate, dtype=dtype)
+        qkv = [torch.randn(n, hidden, dtype=dtype) for n in (hidden, kv_heads * head_dim, kv_heads * head_dim)]
+        for pdl in (False, True):
+            gemv(x, qkv, norm=x, pdl=pdl)
+            gemv(x, qkv[:1], residual=x, pdl=pdl)
+            gemv(up, [torch.randn(hidden, intermediate, dtype=dtype)], residual=x, swiglu=True, pdl=pdl)
     for batch, dtype in ((1, torch.bfloat16), (64, torch.bfloat16), (2, torch.float32)):
         q = torch.randn(batch, q_heads, head_dim, dtype=dtype)
         keys, values = (torch.randn(batch, kv_heads, slots, head_dim, dtype=dtype) for _ in range(2))
