@@ -58,6 +58,7 @@ from torch._dynamo.utils import counters
 from transformers import Cache, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from longflow.one_row_products import OneRowProducts
 from longflow.policy import KVPolicy
 
 logger = logging.getLogger(__name__)
@@ -123,7 +124,9 @@ class CompiledForward:
     """The model's forward, compiled; called with the model's own keyword arguments.
 
     `tuning`: Inductor's coordinate-descent tuning and combo kernels (`TUNING_OPTIONS`,
-    `EngineConfig.compile_tuning`). `prompt`: for
+    `EngineConfig.compile_tuning`). `gemv`: one-row products through `longflow.kernels.gemv`
+    (`longflow.one_row_products`, `EngineConfig.compile_gemv`; `self.gemv` is the pass, which counts
+    what it replaced). `prompt`: for
     prompt forwards, whose rows and length are marked dynamic at every call (see the module's
     docstring). `active`: the policy of the call in progress, which its op runs (None between calls).
     `compile_seconds`: wall time of the calls that compiled (tracing, Inductor, the first run's
@@ -132,14 +135,16 @@ class CompiledForward:
     """
 
     def __init__(self, model: PreTrainedModel, backend: str = "inductor", tuning: bool = False,
-                 prompt: bool = False):
+                 prompt: bool = False, gemv: bool = False):
         self.model = model
         self.active: KVPolicy | None = None
         self.cache = OpaqueCache(model.config.get_text_config().num_hidden_layers,
                                  policy_attention_op(f"policy_attention_{next(_instances)}", self.running))
         self.tuning = tuning
         self.prompt = prompt
-        options = TUNING_OPTIONS if tuning else None
+        self.gemv = OneRowProducts() if gemv else None
+        options = {**(TUNING_OPTIONS if tuning else {}),
+                   **({"post_grad_custom_pre_pass": self.gemv} if gemv else {})} or None
         # Dynamo keeps compiled graphs, and counts recompilations against `recompile_limit` (8), per
         # code object. Every instance shared `_forward`'s: the graphs of every model, batch size and
         # tuning in the process added up, and past the limit a fullgraph compile raises
@@ -191,13 +196,14 @@ class CompiledForward:
         return CausalLMOutputWithPast(logits=logits, hidden_states=hidden_states)
 
 
-def compiled_forward(model: PreTrainedModel, tuning: bool = False, prompt: bool = False) -> CompiledForward:
-    """The model's `CompiledForward` for `tuning` and `prompt`, shared by every engine over it (kept
-    on the model, so that its compiled graphs live as long as the model)."""
+def compiled_forward(model: PreTrainedModel, tuning: bool = False, prompt: bool = False,
+                     gemv: bool = False) -> CompiledForward:
+    """The model's `CompiledForward` for `tuning`, `prompt` and `gemv`, shared by every engine over it
+    (kept on the model, so that its compiled graphs live as long as the model)."""
     if not isinstance(getattr(model, "longflow_compiled_forwards", None), dict):
         model.longflow_compiled_forwards = {}
-    key = (tuning, prompt)
+    key = (tuning, prompt, gemv)
     if key not in model.longflow_compiled_forwards:
-        model.longflow_compiled_forwards[key] = CompiledForward(model, tuning=tuning, prompt=prompt)
+        model.longflow_compiled_forwards[key] = CompiledForward(model, tuning=tuning, prompt=prompt, gemv=gemv)
     return model.longflow_compiled_forwards[key]
 

@@ -106,6 +106,10 @@ class EngineConfig:
     cuBLAS's. With it, Inductor's combo kernels (independent kernels launched as one;
     `longflow.compile.TUNING_OPTIONS`). Compiling takes about 30 s longer. None (default): on when
     `batch_size` is 1.
+    `compile_gemv`: in the compiled decode step, the products of one row (a batch of one) through the
+    project's GEMV kernel instead of Inductor's reductions, with the RMSNorm, SwiGLU and residual add
+    around them, q/k/v and gate/up each one launch, under programmatic dependent launch on sm_90
+    (`longflow.one_row_products`). Off by default: docs/engine.md has its measurements.
     `compile_prefill`: the prompt forwards (a static batch's prefill, continuous batching's
     admissions) through `torch.compile` too, on a GPU only, one graph for every prompt length and
     number of rows above one (`longflow.compile`). It removes the eager forward's per-op launches
@@ -123,6 +127,7 @@ class EngineConfig:
     cuda_graph: bool = True
     compile: bool = True
     compile_tuning: bool | None = None
+    compile_gemv: bool = False
     compile_prefill: bool = False
     overlap_admissions: bool = False
     check_every: int = 16  # decode steps between host checks for finished rows

@@ -168,7 +168,7 @@ class Engine:
             if self.config.compile:
                 tuning = self.config.compile_tuning
                 self.decode_forward = compiled_forward(model, tuning=self.config.batch_size == 1 if tuning is None
-                                                       else tuning)
+                                                       else tuning, gemv=self.config.compile_gemv)
             if self.config.compile_prefill:
                 self.prefill_forward = compiled_forward(model, prompt=True)
 

@@ -2,13 +2,15 @@
 (TOVA, KeyDiff, Expected Attention and the AMS variants included) is graph-safe, in generation and in
 the teacher-forced fidelity pass; vanilla's flash-decoding kernel replays with lengths that change
 between replays, and its one-launch step (`append_decode`) replays step after step, its splits
-combined by their last program; the compiled decode forward gives the tokens of the eager one."""
+combined by their last program; the compiled decode forward gives the tokens of the eager one, with
+its one-row products through the GEMV kernel too."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from helpers import COMPRESSING, FAMILIES, TEXTS, filled_attention, hf_generate, method_variants, policy_of, tiny_spec
+from torch._inductor.utils import fresh_cache
 
 from longflow.config import EngineConfig, GenerationConfig
 from longflow.engine import Engine
@@ -290,6 +292,25 @@ def test_a_batch_of_one_compiles_with_kernel_tuning_and_keeps_its_tokens(tiny_cu
     untuned = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id,
                      EngineConfig(batch_size=3)).decode_forward
     assert not untuned.tuning
+
+
+@pytest.mark.parametrize("method,budget", [("vanilla", None), ("longflow", 48)])
+def test_the_one_row_products_through_the_gemv_kernel_keep_the_tokens(tiny_cuda, method, budget):
+    """`engine.compile_gemv` at a batch of one: the compiled step's products replaced by the GEMV
+    kernel (under PDL on sm_90), inside the engine's CUDA graph, 300 steps, give the eager tokens."""
+    model, tokenizer = tiny_cuda
+    prompt = [tokenizer(TEXTS[0] * 4)["input_ids"]]
+
+    def run(config):
+        engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id, config)
+        result = engine.generate(prompt, GenerationConfig(max_new_tokens=300, ignore_eos=True), [0])
+        return engine.decode_forward, result
+
+    with fresh_cache():  # a cached graph would run no pass, and count nothing
+        compiled, result = run(EngineConfig(batch_size=1, compile_gemv=True))
+    _, eager = run(EngineConfig(batch_size=1, compile=False))
+    assert not compiled.failed and compiled.gemv.replaced > 0 and compiled.gemv.fused["norm"] > 0
+    assert result.cuda_graph and result.tokens == eager.tokens
 
 
 @pytest.mark.parametrize("method,budget", [("vanilla", None), ("longflow", 48)])
