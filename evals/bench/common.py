@@ -95,10 +95,12 @@ def save_table(table: pd.DataFrame, out: str | Path, setting: dict) -> None:
 
 
 # `--compile` values: the decode forward eager; compiled as the engine does by default (Inductor's
-# kernel tuning at a batch of one only); compiled with or without that tuning whatever the batch.
+# kernel tuning at a batch of one only); compiled with or without that tuning whatever the batch;
+# tuned with the one-row products through the project's GEMV (`engine.compile_gemv`).
 COMPILE_SETTINGS = {"off": {"compile": False}, "on": {"compile": True},
                     "tuned": {"compile": True, "compile_tuning": True},
-                    "untuned": {"compile": True, "compile_tuning": False}}
+                    "untuned": {"compile": True, "compile_tuning": False},
+                    "gemv": {"compile": True, "compile_tuning": True, "compile_gemv": True}}
 
 
 def compile_settings(value: str) -> list[str]:

@@ -15,8 +15,9 @@ reset, the model's compiled forward dropped), and is timed twice, the second run
 compiled. Options are not an engine setting, so the `torch.compile` that `longflow.compile` calls is
 wrapped while each engine is built. Each line also gives the compilation's `extern_calls`, the
 kernels the compiled graphs call out to, which show whether a pass such as freezing's weight
-concatenation (`'{"freezing": true}'`) changed the matmuls. Needs a CUDA GPU and Hydra (the method
-configs).
+concatenation (`'{"freezing": true}'`) changed the matmuls. `"compile_gemv": true` in a set also
+turns on the engine's `compile_gemv` (its graph pass kept beside the options). Needs a CUDA GPU and
+Hydra (the method configs).
 """
 
 from __future__ import annotations
@@ -49,7 +50,10 @@ def inductor_options(model, options: dict):
     compile_ = torch.compile
 
     def with_options(*args, **kwargs):
-        return compile_(*args, **{**kwargs, "options": options})
+        # The engine's graph pass (`engine.compile_gemv`) stays: it is an engine setting, not an option.
+        engine_options = kwargs.get("options") or {}
+        kept = {key: engine_options[key] for key in ("post_grad_custom_pre_pass",) if key in engine_options}
+        return compile_(*args, **{**kwargs, "options": options | kept})
 
     longflow.compile.torch.compile = with_options
     try:
@@ -76,18 +80,21 @@ def main() -> None:
     model, _ = load_model(model_spec(args.model, weights="random"), torch.device("cuda"))
     prompts = random_prompts(args.batch, 512, model.config.get_text_config().vocab_size)
     for options in map(json.loads, args.options):
+        # `"compile_gemv": true` in a set: the engine's `compile_gemv` too (not a torch.compile option)
+        setting = "gemv" if options.pop("compile_gemv", False) else "tuned"
         for method in args.methods.split(","):
             counters.clear()
             # Both runs inside the block, whose cache directory (the compiled graphs' code) goes with it.
             with inductor_options(model, options):
-                first = time_engine(model, method, args.budget, prompts, args.new, True, "tuned")
+                first = time_engine(model, method, args.budget, prompts, args.new, True, setting)
                 # Kernels Inductor calls out to in the graphs it compiled (the matmuls it leaves to
                 # cuBLAS, the policy's op): where freezing concatenates q/k/v and gate/up, three fewer a
                 # layer (on the CPU, with `cpp.enable_concat_linear`, the tiny Qwen3's 2 layers went
                 # from 19 to 13).
                 extern_calls = counters["inductor"]["extern_calls"]
-                again = time_engine(model, method, args.budget, prompts, args.new, True, "tuned")
-            print(json.dumps({"options": options, "method": method, "batch": args.batch,
+                again = time_engine(model, method, args.budget, prompts, args.new, True, setting)
+            print(json.dumps({"options": options, "compile_gemv": setting == "gemv", "method": method,
+                              "batch": args.batch,
                               "step_ms_p50": round(first["step_ms_p50"], 3), "again": round(again["step_ms_p50"], 3),
                               "compile_s": round(first["compile_s"], 1), "extern_calls": extern_calls,
                               "peak_memory_gb": round(again["peak_memory_gb"], 2)}), flush=True)
