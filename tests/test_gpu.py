@@ -274,19 +274,22 @@ def test_admissions_overlapped_on_their_own_stream_give_the_same_tokens(tiny_cud
     assert served(True) == served(False)
 
 
+def one_row(tiny_cuda, method, budget, config):
+    """(the engine's decode forward, its result) for one long prompt, 300 steps, EOS ignored."""
+    model, tokenizer = tiny_cuda
+    engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id, config)
+    prompt = [tokenizer(TEXTS[0] * 4)["input_ids"]]
+    result = engine.generate(prompt, GenerationConfig(max_new_tokens=300, ignore_eos=True), [0])
+    return engine.decode_forward, result
+
+
 @pytest.mark.parametrize("method,budget", [("vanilla", None), ("longflow", 48)])
 def test_a_batch_of_one_compiles_with_kernel_tuning_and_keeps_its_tokens(tiny_cuda, method, budget):
     """`engine.compile_tuning` left at None tunes a batch of one only; there Inductor lowers every
     matmul to a Triton reduction of its own (not cuBLAS), and the tokens stay the eager forward's."""
     model, tokenizer = tiny_cuda
-    prompt = [tokenizer(TEXTS[0] * 4)["input_ids"]]
-
-    def run(config):
-        engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id, config)
-        result = engine.generate(prompt, GenerationConfig(max_new_tokens=300, ignore_eos=True), [0])
-        return engine.decode_forward, result
-
-    (tuned, result), (_, eager) = run(EngineConfig(batch_size=1)), run(EngineConfig(batch_size=1, compile=False))
+    tuned, result = one_row(tiny_cuda, method, budget, EngineConfig(batch_size=1))
+    _, eager = one_row(tiny_cuda, method, budget, EngineConfig(batch_size=1, compile=False))
     assert tuned.tuning and not tuned.failed
     assert result.cuda_graph and result.tokens == eager.tokens
     untuned = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id,
@@ -298,17 +301,9 @@ def test_a_batch_of_one_compiles_with_kernel_tuning_and_keeps_its_tokens(tiny_cu
 def test_the_one_row_products_through_the_gemv_kernel_keep_the_tokens(tiny_cuda, method, budget):
     """`engine.compile_gemv` at a batch of one: the compiled step's products replaced by the GEMV
     kernel (under PDL on sm_90), inside the engine's CUDA graph, 300 steps, give the eager tokens."""
-    model, tokenizer = tiny_cuda
-    prompt = [tokenizer(TEXTS[0] * 4)["input_ids"]]
-
-    def run(config):
-        engine = Engine(model, lambda: policy_of(method, budget), [], tokenizer.pad_token_id, config)
-        result = engine.generate(prompt, GenerationConfig(max_new_tokens=300, ignore_eos=True), [0])
-        return engine.decode_forward, result
-
     with fresh_cache():  # a cached graph would run no pass, and count nothing
-        compiled, result = run(EngineConfig(batch_size=1, compile_gemv=True))
-    _, eager = run(EngineConfig(batch_size=1, compile=False))
+        compiled, result = one_row(tiny_cuda, method, budget, EngineConfig(batch_size=1, compile_gemv=True))
+    _, eager = one_row(tiny_cuda, method, budget, EngineConfig(batch_size=1, compile=False))
     assert not compiled.failed and compiled.gemv.replaced > 0 and compiled.gemv.fused["norm"] > 0
     assert result.cuda_graph and result.tokens == eager.tokens
 
