@@ -39,9 +39,9 @@ MAX_WEIGHTS = 3  # q, k and v
 @dataclass(frozen=True)
 class GemvConfig:
     """A launch configuration: rows per program, columns per loop step, columns loaded before the wait
-    (all three powers of two), warps. The default was within 2% of each shape's fastest in
-    `python -m evals.bench.gemv_chain --sweep` under PDL (Qwen3-8B's q|k|v, o, gate|up and down on an
-    H100, docs/engine.md)."""
+    (all three powers of two), warps. The default is what `python -m evals.bench.gemv_chain --sweep`
+    found fastest under PDL for Qwen3-8B's q|k|v and down on an H100 (`results/engine/gemv_chain_h100*.txt`);
+    for o and gate|up it was not among the three fastest, which were within 1% of each other."""
 
     block_n: int = 4
     block_k: int = 2048
