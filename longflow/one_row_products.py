@@ -188,9 +188,9 @@ def _one_row_product(node: Node) -> tuple[Node, Node] | None:
     return rows, weight
 
 
-def _residual_add(product: Node, before: Node, order: dict[Node, int]) -> tuple[Node, Node] | None:
+def _residual_add(product: Node, order: dict[Node, int]) -> tuple[Node, Node] | None:
     """(the add, the residual) when `product`'s only use is a reshape whose only use adds it to a
-    tensor of its shape and dtype defined before `before`."""
+    tensor of its shape and dtype defined before `product` (where the op goes)."""
     if len(product.users) != 1 or not _is(shaped := next(iter(product.users)), *VIEWS) or len(shaped.users) != 1:
         return None
     add = next(iter(shaped.users))
@@ -202,7 +202,7 @@ def _residual_add(product: Node, before: Node, order: dict[Node, int]) -> tuple[
     same = (tuple(_val(residual).shape) == tuple(_val(add).shape) == tuple(_val(shaped).shape)
             and _val(residual).dtype == _val(add).dtype)
     # A node the pass inserted precedes every product not yet replaced.
-    if not same or order.get(residual, -1) >= order[before]:
+    if not same or order.get(residual, -1) >= order[product]:
         return None
     return add, residual
 
@@ -252,15 +252,15 @@ class OneRowProducts(CustomGraphPass):
 
     def _replace(self, graph: Graph, source: Node, products: list[tuple[Node, Node]], pieces, order) -> None:
         weights = [weight for _, weight in products]
-        k = _val(weights[0]).shape[1]
-        if any(_val(w).shape[1] != k or _val(w).dtype != _val(weights[0]).dtype for w in weights):
+        k = _val(weights[0]).shape[1]  # every product of `source` has its K (`_one_row_product`)
+        if any(_val(w).dtype != _val(weights[0]).dtype for w in weights):
             return
         spec = self._input(source, k, pieces)
         if spec is None:
             return
         x, norm, eps, swiglu = spec
         first = products[0][0]
-        fused = _residual_add(first, first, order) if len(products) == 1 else None
+        fused = _residual_add(first, order) if len(products) == 1 else None
         with graph.inserting_before(first):
             op = _call(graph, one_row_product._opoverload,
                        (x, weights, norm, None if fused is None else fused[1], eps, swiglu))

@@ -151,8 +151,7 @@ def gemv(x: torch.Tensor, weights: list[torch.Tensor], out: torch.Tensor | None 
     width = triton.next_power_of_2(k)
     head_k, block_k = min(config.head_k, width), min(config.block_k, width)
     padded = weights + [weights[0]] * (MAX_WEIGHTS - len(weights))
-    rows0 = rows[0] if len(rows) > 1 else n
-    rows1 = rows[1] if len(rows) > 2 else n - rows0
+    rows0, rows1 = (rows + [0])[:2]  # one weight: all N rows are weight0's
     pdl = _pdl_available(x.device) if pdl is None else pdl
     options = {"launch_pdl": True} if pdl else {}
     gemv_kernel[(triton.cdiv(n, block_n),)](
