@@ -26,12 +26,17 @@ ahead) whose only switch is what it writes per tile besides the output (`STORE`)
   7: as 1, through a tensor descriptor: one bulk (TMA) store of the tile from shared memory, issued
      asynchronously, where `tl.store` has every thread store its elements; the descriptor's
      `[B * Hkv, G, S]` bounds clip the padding heads and the slots past the last;
-and whether K and V come through tensor descriptors (TMA) instead of pointer loads. Each variant is
+and whether K and V come through tensor descriptors (TMA) instead of pointer loads. A second loop,
+`_warp_split_kernel` (stores 0, 1 and 5), gives each warp its own quarter of every tile and its own
+softmax state, so that no warp waits for another inside the loop (the kernel's loop exchanges the
+row statistics and the probabilities between its warps through shared memory in every iteration).
+Each variant is
 timed in CUDA graphs over input sets that overflow L2 (`evals.bench.attention`'s timing), next to
 cuDNN SDPA and `flash_decode` in the same process. Needs a CUDA GPU.
 
     python -m evals.bench.scratch_store --fold   # store 6 against the fused call and cuDNN, in turns
     python -m evals.bench.scratch_store --stores 0 1 7   # only these store modes' variants
+    python -m evals.bench.scratch_store --loops split --stores 0 1   # the warp-split loop's
 """
 
 from __future__ import annotations
@@ -62,11 +67,15 @@ from longflow.kernels.longflow_attention import LOG2E  # noqa: E402
 from longflow.kernels.reductions import reduce_max, reduce_min, reduce_sum  # noqa: E402
 
 GROUP_PAD = 16  # a KV head's query heads, padded to the rows of a tensor-core tile
-# (slots per tile, TMA loads, pipeline stages, warps, store mode): the kernel's own setting first.
-VARIANTS = [(64, False, 4, 4, store) for store in range(5)] + [(64, True, 4, 4, 0), (64, True, 4, 4, 1),
-                                                                (128, False, 3, 4, 1), (128, False, 3, 4, 3),
-                                                                (64, False, 4, 4, 5), (128, False, 3, 4, 5),
-                                                                (64, False, 4, 4, 7), (64, True, 4, 4, 7)]
+# (slots per tile, TMA loads, pipeline stages, warps, warp-split loop, store mode): the kernel's own
+# setting first.
+VARIANTS = ([(64, False, 4, 4, False, store) for store in range(5)]
+            + [(64, True, 4, 4, False, 0), (64, True, 4, 4, False, 1), (128, False, 3, 4, False, 1),
+               (128, False, 3, 4, False, 3), (64, False, 4, 4, False, 5), (128, False, 3, 4, False, 5),
+               (64, False, 4, 4, False, 7), (64, True, 4, 4, False, 7)]
+            + [(64, False, 4, 4, True, store) for store in (0, 1, 5)]
+            + [(64, False, 3, 4, True, 1), (128, False, 3, 4, True, 1), (128, False, 3, 8, True, 1),
+               (64, True, 4, 4, True, 1)])
 
 
 @triton.jit
@@ -156,6 +165,71 @@ def _pass_kernel(Q, K, V, K_DESC, V_DESC, SCRATCH_DESC, VALID, OUT, SCRATCH, PAR
 
 
 @triton.jit
+def _warp_split_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, slots, qk_scale,
+                       KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_N: tl.constexpr, WARPS: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr,
+                       STORE: tl.constexpr):
+    """`_pass_kernel`'s loop with each warp on its own `BLOCK_N / WARPS` slots of every tile: a batched
+    product `[WARPS, GROUP_PAD, D] x [WARPS, D, SUB]`, whose batch the compiler gives one warp each, and a
+    softmax state per warp, combined once after the loop. Where `_pass_kernel` splits a tile's slots
+    over the warps too but combines them in every iteration (the row maxima and sums across warps, and
+    the probabilities handed to the second product through shared memory, each behind a barrier), a
+    warp here never waits for another inside the loop. Stores 0, 1 and 5 only."""
+    SUB: tl.constexpr = BLOCK_N // WARPS
+    pid = tl.program_id(0)
+    b = pid // KV_HEADS
+    kv_head = pid % KV_HEADS
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    sub = tl.arange(0, WARPS)[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [WARPS, SUB] slots of a tile
+    g_ok = offs_g < GROUP
+    rows = b * (KV_HEADS * GROUP) + kv_head * GROUP + offs_g
+    q = tl.load(Q + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=g_ok[:, None], other=0.0)
+    q = tl.broadcast_to(q[None, :, :], (WARPS, GROUP_PAD, HEAD_DIM))
+    m_i = tl.full([WARPS, GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.full([WARPS, GROUP_PAD], 0.0, tl.float32)
+    acc = tl.full([WARPS, GROUP_PAD, HEAD_DIM], 0.0, tl.float32)
+    valid_row = VALID + b.to(tl.int64) * slots
+    head = b.to(tl.int64) * KV_HEADS + kv_head
+    scratch_rows = SCRATCH + rows.to(tl.int64)[None, :, None] * slots  # [1, GROUP_PAD, 1]
+    ok_next = tl.load(valid_row + sub, mask=sub < slots, other=0)
+    for start in tl.range(0, slots, BLOCK_N, num_stages=STAGES):
+        cols = start + sub  # [WARPS, SUB]
+        s_ok = cols < slots
+        ok = (ok_next != 0) & s_ok
+        ok_next = tl.load(valid_row + cols + BLOCK_N, mask=(cols + BLOCK_N) < slots, other=0)
+        if TMA:
+            k = K_DESC.load([b, kv_head, start, 0]).reshape(WARPS, SUB, HEAD_DIM)
+            v = V_DESC.load([b, kv_head, start, 0]).reshape(WARPS, SUB, HEAD_DIM)
+        else:
+            kv = head * slots * HEAD_DIM + cols[:, :, None] * HEAD_DIM + offs_d[None, None, :]
+            k = tl.load(K + kv, mask=s_ok[:, :, None], other=0.0, eviction_policy="evict_first")
+            v = tl.load(V + kv, mask=s_ok[:, :, None], other=0.0, eviction_policy="evict_first")
+        s = tl.dot(q, tl.trans(k, 0, 2, 1)) * qk_scale  # [WARPS, GROUP_PAD, SUB]
+        s = tl.where(ok[:, None, :], s, float("-inf"))
+        t_mask = g_ok[None, :, None] & s_ok[:, None, :]
+        if STORE == 1:
+            tl.store(scratch_rows + cols[:, None, :], s, mask=t_mask)
+        elif STORE == 5:
+            _store_in_place((scratch_rows + cols[:, None, :]).to(tl.int64), s, t_mask)
+        m_new = tl.maximum(m_i, reduce_max(s, 2))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, :, None])
+        l_i = l_i * alpha + reduce_sum(p, 2)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    # The warps' states combined: rescaled to the common maximum (a warp that saw only masked slots
+    # has m = -inf and l = 0, and weighs 0).
+    m = reduce_max(m_i, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    scale = tl.exp2(m_i - m_use[None, :])  # [WARPS, GROUP_PAD]
+    l_sum = reduce_sum(l_i * scale, 0)
+    out = reduce_sum(acc * scale[:, :, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    tl.store(OUT + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=g_ok[:, None])
+
+
+@triton.jit
 def _row_argmin_kernel(PARTIAL, VALID, NEXT_SLOT, slots, KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per row: the LongFlow score of every slot (the sum of the row's Hkv partials),
     and the slot to overwrite, the first free one if any, else the lowest score (earliest on ties):
@@ -179,10 +253,13 @@ def _row_argmin_kernel(PARTIAL, VALID, NEXT_SLOT, slots, KV_HEADS: tl.constexpr,
     tl.store(NEXT_SLOT + b, reduce_min(tl.where(best_key == key_min, best_idx, 2147483647), 0).to(tl.int64))
 
 
-def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, store: int):
+def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, store: int,
+              split_warps: bool = False):
     """The pass over q `[B, Hq, D]`, contiguous k, v `[B, Hkv, S, D]` and valid `[B, S]`, as a
     zero-argument call returning out `[B, Hq, D]`; its scratch, allocated once, is the call's
-    `scratch` attribute."""
+    `scratch` attribute. `split_warps`: `_warp_split_kernel`'s loop (stores 0, 1 and 5)."""
+    if split_warps and store not in (0, 1, 5):
+        raise ValueError(f"the warp-split loop has stores 0, 1 and 5, not {store}")
     batch, q_heads, head_dim = q.shape
     _, kv_heads, slots, _ = k.shape
     out = torch.empty_like(q)
@@ -196,6 +273,13 @@ def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, 
     v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
 
     def run():
+        if split_warps:
+            _warp_split_kernel[(batch * kv_heads,)](
+                q, k, v, k_desc, v_desc, valid, out, scratch, slots, head_dim**-0.5 * LOG2E,
+                KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=GROUP_PAD, HEAD_DIM=head_dim,
+                BLOCK_N=block_n, WARPS=warps, TMA=tma, STAGES=stages, STORE=store, num_warps=warps,
+                num_stages=stages)
+            return out
         _pass_kernel[(batch * kv_heads,)](
             q, k, v, k_desc, v_desc, scratch_desc, valid, out, scratch, partial, slots, head_dim**-0.5 * LOG2E,
             KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=GROUP_PAD, HEAD_DIM=head_dim, BLOCK_N=block_n,
@@ -218,6 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, nargs="+", default=[3200, 8192])
     parser.add_argument("--stores", type=int, nargs="+", default=sorted({v[-1] for v in VARIANTS}),
                         help="the store modes whose variants are timed (without --fold)")
+    parser.add_argument("--loops", nargs="+", choices=["kernel", "split"], default=["kernel", "split"],
+                        help="the kernel's loop (`_pass_kernel`), the warp-split loop (`_warp_split_kernel`)")
     args = parser.parse_args(argv)
     unknown = set(args.stores) - {variant[-1] for variant in VARIANTS}
     if unknown:
@@ -232,7 +318,9 @@ def main(argv: list[str] | None = None) -> None:
             if args.fold:
                 fold_point(sets, batch, slots, floor)
             else:
-                store_point(sets, batch, slots, floor, [v for v in VARIANTS if v[-1] in args.stores])
+                loops = {"kernel": False, "split": True}
+                chosen = [v for v in VARIANTS if v[-1] in args.stores and v[4] in {loops[n] for n in args.loops}]
+                store_point(sets, batch, slots, floor, chosen)
             del sets
             torch.cuda.empty_cache()
 
@@ -265,23 +353,25 @@ def fold_point(sets, batch: int, slots: int, floor: float) -> None:
 
 def store_point(sets, batch: int, slots: int, floor: float, variants: list[tuple]) -> None:
     """The `variants`' passes (of `VARIANTS`), timed after cuDNN and `flash_decode` in the same process;
-    stores 5 and 7 checked against store 1's scratch where a store 1 variant of their tile ran first."""
+    stores 5 and 7 and the warp-split loop's checked against store 1's scratch where a store 1 variant of the
+    kernel's loop with their tile ran first."""
     cudnn = graph_ms([method_calls("sdpa_cudnn", *s)[0] for s in sets])
     plain = graph_ms([method_calls("flash_decode", *s)[0] for s in sets])
     print(f"batch {batch}, {slots} slots: floor {floor:.4f} ms, cuDNN {cudnn:.4f} ms, "
           f"flash_decode {plain:.4f} ms ({plain / cudnn:.3f}x cuDNN)", flush=True)
     want = method_calls("flash_decode", *sets[0])[0]().float()
     plain_scratch = {}  # tile -> the first set's scratch by `tl.store` (store 1), which store 5 must match
-    for block_n, tma, stages, warps, store in variants:
-        calls = [pass_call(*s, block_n, tma, stages, warps, store) for s in sets]
+    for block_n, tma, stages, warps, split, store in variants:
+        calls = [pass_call(*s, block_n, tma, stages, warps, store, split) for s in sets]
         ms = graph_ms(calls)
         error = (calls[0]().float() - want).abs().max().item()
-        if store == 1:
+        if store == 1 and not split:
             plain_scratch[block_n] = calls[0].scratch
-        elif store in (5, 7) and block_n in plain_scratch:
+        elif (store in (5, 7) or split) and store != 0 and block_n in plain_scratch:
             written = plain_scratch[block_n].isfinite()
             error = max(error, (calls[0].scratch[written] - plain_scratch[block_n][written]).abs().max().item())
-        print(f"  tile {block_n:>3}, TMA {tma!s:>5}, {stages} stages, {warps} warps, store {store}: "
+        loop = "warp-split" if split else "kernel's"
+        print(f"  {loop:>10} loop, tile {block_n:>3}, TMA {tma!s:>5}, {stages} stages, {warps} warps, store {store}: "
               f"{ms:.4f} ms, {ms / cudnn:.3f}x cuDNN, {ms / floor:.3f}x floor (max error {error:.1e})",
               flush=True)
 
