@@ -112,6 +112,9 @@ CONFIGS = [
     LaunchConfig(block_n=16, splits=3, score_splits=3, block_s=64, scratch="fp16"),
     LaunchConfig(block_n=64, splits=2, score_splits=2, block_s=16, scratch="fp16"),
     LaunchConfig(block_n=32, splits=3, score_splits=1, block_s=32, vnorm="reduce", prefetch=False),
+    LaunchConfig(block_n=64, splits=3, score_splits=2, block_s=32, warp_split=True),
+    LaunchConfig(block_n=64, splits=1, score_splits=1, block_s=64, num_warps=2, warp_split=True, vnorm="reduce",
+                 prefetch=False),
 ]
 
 
@@ -121,7 +124,8 @@ def rtol_for(config: LaunchConfig) -> float:
 
 
 def config_id(config: LaunchConfig) -> str:
-    return f"n{config.block_n}-s{config.splits}x{config.score_splits}-{config.scratch}-{config.vnorm}"
+    warps = f"-warp_split{config.num_warps}" if config.warp_split else ""
+    return f"n{config.block_n}-s{config.splits}x{config.score_splits}-{config.scratch}-{config.vnorm}{warps}"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
@@ -158,6 +162,13 @@ def test_strided_views_and_protect():
     out, next_slot = longflow_attention(q, k, v, valid, protect=protect)
     check(q, k, v, valid, out, next_slot, protect=protect)
     assert int(next_slot[1]) == 10
+
+
+def test_warp_split_needs_16_slots_a_warp_and_the_fp32_scratch():
+    with pytest.raises(ValueError, match="block_n must be >= 128"):
+        LaunchConfig(block_n=64, num_warps=8, warp_split=True)
+    with pytest.raises(ValueError, match="fp32 scratch"):
+        LaunchConfig(block_n=64, scratch="fp16", warp_split=True)
 
 
 def test_rejects_bad_inputs():

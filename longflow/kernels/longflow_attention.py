@@ -70,6 +70,93 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _warp_split_loop(q, K_HEAD, V_HEAD, valid_row, T, rows, m0, l0, acc0, lo, hi, n_slots, qk_scale,
+                     stride_ks, stride_kd, stride_vs, stride_vd, stride_valid_s,
+                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
+                     FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, VNORM_MMA: tl.constexpr,
+                     KV_EVICT: tl.constexpr, T_EVICT: tl.constexpr, SCORE: tl.constexpr, VNORM: tl.constexpr):
+    """The attention pass's loop over slots [lo, hi) with each warp on its own `BLOCK_N / WARPS` slots
+    of every tile (`LaunchConfig.warp_split`): the products are batched `[WARPS, G_PAD, D] x
+    [WARPS, D, SUB]`, a batch a warp, and each warp keeps its own softmax state, so that no warp waits
+    for another inside the loop (the plain loop splits a tile's slots over the warps too, but combines
+    the row maxima and sums and hands the probabilities to the second product through shared memory
+    in every iteration). The warps' states and the state (m0, l0, acc0) it starts from are combined
+    once at the end. Writes the fp32 scratch (`T`, rows `rows`) when SCORE; returns (m, l, acc),
+    `[G_PAD]`, `[G_PAD]`, `[G_PAD, D_PAD]`, as the plain loop leaves them."""
+    SUB: tl.constexpr = BLOCK_N // WARPS
+    tl.static_assert(SUB >= 16, "each warp's share of a tile is the second product's k: at least 16 slots")
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    sub = tl.arange(0, WARPS)[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [WARPS, SUB] slots of a tile
+    g_ok = tl.arange(0, GROUP_PAD) < GROUP
+    d_ok = offs_d < HEAD_DIM
+    q3 = tl.broadcast_to(q[None, :, :], (WARPS, GROUP_PAD, HEAD_DIM_PAD))
+    k_cols = K_HEAD + offs_d[None, None, :] * stride_kd
+    v_cols = V_HEAD + offs_d[None, None, :] * stride_vd
+    t_rows = T + rows[None, :, None] * n_slots  # [1, G_PAD, 1]
+    m_i = tl.full([WARPS, GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.full([WARPS, GROUP_PAD], 0.0, tl.float32)
+    acc = tl.full([WARPS, GROUP_PAD, HEAD_DIM_PAD], 0.0, tl.float32)
+    ok_next = tl.load(valid_row + (lo + sub) * stride_valid_s, mask=(lo + sub) < hi, other=0)
+    for start in range(lo, hi, BLOCK_N):
+        slots = start + sub
+        s_ok = slots < hi
+        if PREFETCH:
+            ok = ok_next != 0
+            ok_next = tl.load(valid_row + (slots + BLOCK_N) * stride_valid_s, mask=(slots + BLOCK_N) < hi, other=0)
+        else:
+            ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0) != 0
+        if HEAD_DIM == HEAD_DIM_PAD:
+            kv_mask = s_ok[:, :, None]
+        else:
+            kv_mask = s_ok[:, :, None] & d_ok[None, None, :]
+        k = tl.load(k_cols + slots[:, :, None] * stride_ks, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+        v = tl.load(v_cols + slots[:, :, None] * stride_vs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+        if FP32_DOT:
+            s = tl.dot(q3.to(tl.float32), tl.trans(k.to(tl.float32), 0, 2, 1), input_precision="ieee")
+        else:
+            s = tl.dot(q3, tl.trans(k, 0, 2, 1))
+        s = tl.where(ok[:, None, :], s * qk_scale, float("-inf"))  # [WARPS, G_PAD, SUB]
+        m_new = tl.maximum(m_i, reduce_max(s, 2))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, :, None])
+        l_i = l_i * alpha + reduce_sum(p, 2)
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, :, None] + pv
+        m_i = m_new
+        if SCORE:
+            # As the plain loop's scratch (see there): t = logit (+ log2 ||v||_1).
+            if not VNORM:
+                log_vnorm = 0.0
+            elif not VNORM_MMA:
+                vnorm = reduce_sum(tl.abs(v.to(tl.float32)), 2)[:, None, :]
+                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [WARPS, 1, SUB]
+            elif FP32_DOT:
+                ones = tl.full([WARPS, GROUP_PAD, HEAD_DIM_PAD], 1.0, tl.float32)
+                vnorm = tl.dot(ones, tl.trans(tl.abs(v.to(tl.float32)), 0, 2, 1), input_precision="ieee")
+                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [WARPS, G_PAD, SUB], rows equal
+            else:
+                ones = tl.full([WARPS, GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
+                vnorm = tl.dot(ones, tl.trans(tl.abs(v), 0, 2, 1))
+                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [WARPS, G_PAD, SUB], rows equal
+            tl.store(t_rows + slots[:, None, :], s + log_vnorm, mask=g_ok[None, :, None] & s_ok[:, None, :],
+                     eviction_policy=T_EVICT)
+    # The warps' states and the starting one rescaled to their common maximum; a state that saw no
+    # valid slot (m = -inf, l = 0) weighs 0.
+    m = tl.maximum(reduce_max(m_i, 0), m0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    scale = tl.exp2(m_i - m_use[None, :])  # [WARPS, G_PAD]
+    scale0 = tl.exp2(m0 - m_use)
+    l_sum = reduce_sum(l_i * scale, 0) + l0 * scale0
+    acc_sum = reduce_sum(acc * scale[:, :, None], 0) + acc0 * scale0[:, None]
+    return m, l_sum, acc_sum
+
+
+@triton.jit
 def _partial_kernel(
     Q, K, V, VALID, LENGTHS, T, TREF, M_PART, L_PART, ACC, OUT, BEST, ARRIVED,
     NEW_K, NEW_V, POSITIONS, TOKEN_POSITIONS, SPLITS_ARRIVED,
@@ -85,6 +172,7 @@ def _partial_kernel(
     VNORM_MMA: tl.constexpr, KV_EVICT: tl.constexpr, T_EVICT: tl.constexpr,
     SCORE: tl.constexpr, BOUNDED: tl.constexpr, VNORM: tl.constexpr, SELECTIONS: tl.constexpr,
     COMBINE: tl.constexpr, APPEND: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr,
+    WARP_SPLIT: tl.constexpr, WARPS: tl.constexpr,
 ):
     """Program (b * Hkv + kv_head, split); see the module docstring. COMBINE and APPEND serve
     `flash_decode` and `append_decode` only (SCORE off; BOUNDED on for APPEND); SPLITS_PAD and
@@ -168,70 +256,78 @@ def _partial_kernel(
     # The mask is loaded one tile ahead (PREFETCH): a byte per slot is below the 4 bytes of an
     # asynchronous copy, so the compiler does not pipeline it, and an in-loop load would stall
     # every iteration for a full memory latency.
-    ok_next = tl.load(valid_row + (lo + offs_n) * stride_valid_s, mask=(lo + offs_n) < hi, other=0)
-    for start in range(lo, hi, BLOCK_N):
-        slots = start + offs_n
-        s_ok = slots < hi
-        if PREFETCH:
-            ok = ok_next != 0
-            ok_next = tl.load(valid_row + (slots + BLOCK_N) * stride_valid_s, mask=(slots + BLOCK_N) < hi, other=0)
-        else:
-            ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0) != 0
-        if HEAD_DIM == HEAD_DIM_PAD:
-            kv_mask = s_ok[:, None]
-        else:
-            kv_mask = s_ok[:, None] & d_ok[None, :]
-        # K/V are read once: `evict_first` keeps them from pushing the scratch out of L2.
-        k = tl.load(k_base + slots[:, None] * stride_ks, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-        v = tl.load(v_base + slots[:, None] * stride_vs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-
-        # Logits in base 2: exp2(x * log2 e) = exp(x).
-        if FP32_DOT:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
-
-        # Online softmax; `m_use` stays finite so that fully masked tiles give 0, never NaN.
-        m_new = tl.maximum(m_i, reduce_max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + reduce_sum(p, 1)
-        if FP32_DOT:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-
-        if SCORE:
-            # Score scratch: t = logit (+ log2 ||v||_1 for LongFlow's score, VNORM), so that
-            # p (* ||v||_1) = exp2(t - m) / l later.
-            # ||v_j||_1 comes from the tensor cores, ones @ |v|^T, already in the layout of the logits
-            # (every row equal): a reduction over D would need shuffles and a layout conversion.
-            # Floored at 1e-30 so that zero vectors and padding give a very negative number, not -inf.
-            if not VNORM:
-                log_vnorm = 0.0
-            elif not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
-                vnorm = reduce_sum(tl.abs(v.to(tl.float32)), 1)[None, :]
-                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [1, BLOCK_N]
-            elif FP32_DOT:
-                ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, tl.float32)
-                vnorm = tl.dot(ones, tl.trans(tl.abs(v.to(tl.float32))), input_precision="ieee")
-                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N], rows equal
+    if WARP_SPLIT:
+        tl.static_assert(not SCRATCH_FP16, "the warp-split loop writes the fp32 scratch only")
+        m_i, l_i, acc = _warp_split_loop(
+            q, K + b * stride_kb + kv_head * stride_kh, V + b * stride_vb + kv_head * stride_vh, valid_row, T,
+            rows, m_i, l_i, acc, lo, hi, n_slots, qk_scale, stride_ks, stride_kd, stride_vs, stride_vd,
+            stride_valid_s, GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, WARPS, FP32_DOT, PREFETCH,
+            VNORM_MMA, KV_EVICT, T_EVICT, SCORE, VNORM)
+    else:
+        ok_next = tl.load(valid_row + (lo + offs_n) * stride_valid_s, mask=(lo + offs_n) < hi, other=0)
+        for start in range(lo, hi, BLOCK_N):
+            slots = start + offs_n
+            s_ok = slots < hi
+            if PREFETCH:
+                ok = ok_next != 0
+                ok_next = tl.load(valid_row + (slots + BLOCK_N) * stride_valid_s, mask=(slots + BLOCK_N) < hi, other=0)
             else:
-                ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
-                vnorm = tl.dot(ones, tl.trans(tl.abs(v)))
-                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N], rows equal
-            t_mask = g_ok[:, None] & s_ok[None, :]
-            if SCRATCH_FP16:
-                # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
-                u = s - m_use[:, None] + log_vnorm
-                tl.store(t_rows + slots[None, :], u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
-                tl.store(TREF + rows * n_tiles + start // BLOCK_N, m_use, mask=g_ok)
+                ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0) != 0
+            if HEAD_DIM == HEAD_DIM_PAD:
+                kv_mask = s_ok[:, None]
             else:
-                tl.store(t_rows + slots[None, :], s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
+                kv_mask = s_ok[:, None] & d_ok[None, :]
+            # K/V are read once: `evict_first` keeps them from pushing the scratch out of L2.
+            k = tl.load(k_base + slots[:, None] * stride_ks, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+            v = tl.load(v_base + slots[:, None] * stride_vs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+
+            # Logits in base 2: exp2(x * log2 e) = exp(x).
+            if FP32_DOT:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(ok[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
+
+            # Online softmax; `m_use` stays finite so that fully masked tiles give 0, never NaN.
+            m_new = tl.maximum(m_i, reduce_max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + reduce_sum(p, 1)
+            if FP32_DOT:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+            if SCORE:
+                # Score scratch: t = logit (+ log2 ||v||_1 for LongFlow's score, VNORM), so that
+                # p (* ||v||_1) = exp2(t - m) / l later.
+                # ||v_j||_1 comes from the tensor cores, ones @ |v|^T, already in the layout of the logits
+                # (every row equal): a reduction over D would need shuffles and a layout conversion.
+                # Floored at 1e-30 so that zero vectors and padding give a very negative number, not -inf.
+                if not VNORM:
+                    log_vnorm = 0.0
+                elif not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
+                    vnorm = reduce_sum(tl.abs(v.to(tl.float32)), 1)[None, :]
+                    log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [1, BLOCK_N]
+                elif FP32_DOT:
+                    ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, tl.float32)
+                    vnorm = tl.dot(ones, tl.trans(tl.abs(v.to(tl.float32))), input_precision="ieee")
+                    log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N], rows equal
+                else:
+                    ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
+                    vnorm = tl.dot(ones, tl.trans(tl.abs(v)))
+                    log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N], rows equal
+                t_mask = g_ok[:, None] & s_ok[None, :]
+                if SCRATCH_FP16:
+                    # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
+                    u = s - m_use[:, None] + log_vnorm
+                    tl.store(t_rows + slots[None, :], u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
+                    tl.store(TREF + rows * n_tiles + start // BLOCK_N, m_use, mask=g_ok)
+                else:
+                    tl.store(t_rows + slots[None, :], s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
 
     tl.store(M_PART + rows * n_splits + split, m_i, mask=g_ok)
     tl.store(L_PART + rows * n_splits + split, l_i, mask=g_ok)
@@ -469,6 +565,9 @@ class LaunchConfig:
     prefetch: bool = True  # load the validity mask one tile ahead in the attention pass
     vnorm: str = "mma"  # ||v||_1 as ones @ |v|^T on the tensor cores ("mma") or a reduction ("reduce")
     l2_hints: bool = True  # K/V loaded `evict_first`, the scratch stored `evict_last`
+    # Each warp of the attention pass on its own block_n / num_warps slots of every tile, with its own
+    # softmax state (`_warp_split_loop`); fp32 scratch only.
+    warp_split: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_s"):
@@ -481,6 +580,11 @@ class LaunchConfig:
             raise ValueError(f"scratch must be 'fp32' or 'fp16', got {self.scratch!r}")
         if self.vnorm not in ("mma", "reduce"):
             raise ValueError(f"vnorm must be 'mma' or 'reduce', got {self.vnorm!r}")
+        if self.warp_split and self.block_n < 16 * self.num_warps:
+            raise ValueError(f"warp_split gives each of the {self.num_warps} warps block_n / num_warps slots of a "
+                             f"tile, at least 16: block_n must be >= {16 * self.num_warps}, got {self.block_n}")
+        if self.warp_split and self.scratch != "fp32":
+            raise ValueError("warp_split writes the fp32 scratch only")
 
 
 @functools.cache
@@ -766,6 +870,7 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
         VNORM_MMA=config.vnorm == "mma", KV_EVICT="evict_first" if config.l2_hints else "",
         T_EVICT="evict_last" if config.l2_hints else "", SCORE=True, BOUNDED=False, VNORM=score.vnorm,
         SELECTIONS=selections, COMBINE=False, APPEND=False, SPLITS_PAD=1, HEAD_TILE=1,
+        WARP_SPLIT=config.warp_split, WARPS=config.num_warps,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if attention_only:
@@ -957,6 +1062,7 @@ def _decode_pass(q, k, v, valid, lengths, scale, config, arrivals, append=None) 
         SCORE=False, BOUNDED=lengths is not None, VNORM=False, SELECTIONS=1,
         COMBINE=combine, APPEND=append is not None, SPLITS_PAD=splits_pad,
         HEAD_TILE=_head_tile(group, splits_pad, head_dim_pad),
+        WARP_SPLIT=config.warp_split, WARPS=config.num_warps,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits == 1 or combine:
