@@ -61,6 +61,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from longflow.kernels.fast_math import log2_approx  # noqa: E402
 from longflow.kernels.precision import ieee_products  # noqa: E402
 from longflow.kernels.reductions import reduce_max, reduce_min, reduce_sum  # noqa: E402
 from longflow.kernels.slot_write import check_token_write  # noqa: E402
@@ -142,7 +143,7 @@ def _warp_split_loop(q, K_HEAD, V_HEAD, valid_row, T, rows, m0, l0, acc0, lo, hi
             else:
                 ones = tl.full([WARPS, GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
                 vnorm = tl.dot(ones, tl.trans(tl.abs(v), 0, 2, 1))
-                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [WARPS, G_PAD, SUB], rows equal
+                log_vnorm = log2_approx(tl.maximum(vnorm, 1e-30))  # [WARPS, G_PAD, SUB], rows equal
             tl.store(t_rows + slots[:, None, :], s + log_vnorm, mask=g_ok[None, :, None] & s_ok[:, None, :],
                      eviction_policy=T_EVICT)
     # The warps' states and the starting one rescaled to their common maximum; a state that saw no
@@ -307,6 +308,9 @@ def _partial_kernel(
                 # ||v_j||_1 comes from the tensor cores, ones @ |v|^T, already in the layout of the logits
                 # (every row equal): a reduction over D would need shuffles and a layout conversion.
                 # Floored at 1e-30 so that zero vectors and padding give a very negative number, not -inf.
+                # With 16-bit inputs its log2 is the multi-function unit's approximation (`log2_approx`):
+                # libdevice's accurate one was a third of the loop's instructions. Float32 inputs keep it,
+                # so that their scores stay within rounding of the eager path's.
                 if not VNORM:
                     log_vnorm = 0.0
                 elif not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
@@ -319,7 +323,7 @@ def _partial_kernel(
                 else:
                     ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
                     vnorm = tl.dot(ones, tl.trans(tl.abs(v)))
-                    log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N], rows equal
+                    log_vnorm = log2_approx(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N], rows equal
                 t_mask = g_ok[:, None] & s_ok[None, :]
                 if SCRATCH_FP16:
                     # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
