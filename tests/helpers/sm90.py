@@ -3,11 +3,9 @@
 The CPU tests run every kernel through Triton's interpreter, which accepts code that the compiler
 refuses: a jit helper's constexpr parameter left to its default, for one, reaches the compiler as a
 plain string there. Such a kernel passes CI and fails on the first GPU that launches it. Here the host
-functions are called on small CPU tensors at Qwen3-8B's head shapes, with the kernels defined for the
-compiler (TRITON_INTERPRET=0 before import) and their launches recorded instead of run; each distinct
-launch is then specialised as Triton specialises a real one (pointers and integers divisible by 16,
-integers equal to 1 made constants) and compiled to a cubin for sm_90 by Triton's own ptxas, whose
-shared memory must fit one program there (a launch would fail otherwise).
+functions are called on small CPU tensors at Qwen3-8B's head shapes and every distinct launch is
+compiled for sm_90 (`evals.bench.aot`, which records and specialises them), whose shared memory must
+fit one program there (a launch would fail otherwise).
 
 Run as a script, by its path (`tests/test_kernels_compile.py` does, in a process of its own): imported as
 `helpers.sm90` it would load `helpers/__init__`, which defines the kernels for the interpreter first. It
@@ -17,96 +15,27 @@ compile error.
 
 from __future__ import annotations
 
-import inspect
 import json
-import os
 import sys
+from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "0"  # before Triton or a kernel module is imported
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, when run by its path
+from evals.bench.aot import (  # noqa: E402, I001  (first: it turns the interpreter off)
+    SHARED_BYTES,
+    compile_launch,
+    kernel_modules,
+    record_launches,
+    specialise,
+)
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
-
-import longflow.kernels  # noqa: E402, F401  (defines every kernel for the compiler)
-
-TARGET = GPUTarget("cuda", 90, 32)
-SHARED_BYTES = 232448  # the most shared memory one program may take on sm_90 (227 KB); more fails at launch
-SMS, L2_BYTES = 132, 50 * 2**20  # an H100/H200, so that the launch configurations are the GPU's
-POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
-                 torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
-
-
-def kernel_modules() -> list:
-    return [module for name, module in sys.modules.items() if name.startswith("longflow.kernels.")]
 
 
 def all_kernels() -> set[str]:
     """The launchable kernels of the package: its JIT functions named `*_kernel` (the others are helpers)."""
     return {f"{module.__name__}.{name}" for module in kernel_modules() for name, value in vars(module).items()
             if isinstance(value, JITFunction) and name.endswith("_kernel")}
-
-
-def record_launches(calls) -> list[tuple[JITFunction, dict, dict]]:
-    """(kernel, bound arguments, launch options) of every launch `calls()` makes; nothing runs."""
-    launches = []
-
-    def record(self, *args, grid, warmup, **kwargs):
-        options = {name: kwargs.pop(name) for name in LAUNCH_OPTIONS if name in kwargs}
-        bound = inspect.signature(self.fn).bind(*args, **kwargs)
-        bound.apply_defaults()
-        launches.append((self, dict(bound.arguments), options))
-
-    # The host functions refuse CPU tensors unless the interpreter is on, and pick IEEE products under
-    # it: both are read at call time, so the kernels stay compiled-mode ones while the products are
-    # chosen as on a GPU (float32 only).
-    originals = JITFunction.run, os.environ["TRITON_INTERPRET"]
-    precision = {module: module.ieee_products for module in kernel_modules() if hasattr(module, "ieee_products")}
-    attention = sys.modules["longflow.kernels.longflow_attention"]
-    device_facts = attention._multiprocessors, attention._l2_bytes
-    JITFunction.run, os.environ["TRITON_INTERPRET"] = record, "1"
-    for module in precision:
-        module.ieee_products = lambda dtype: dtype == torch.float32
-    attention._multiprocessors, attention._l2_bytes = (lambda device: SMS), (lambda device: L2_BYTES)
-    try:
-        calls()
-    finally:
-        JITFunction.run, os.environ["TRITON_INTERPRET"] = originals
-        for module, function in precision.items():
-            module.ieee_products = function
-        attention._multiprocessors, attention._l2_bytes = device_facts
-    return launches
-
-
-def specialise(kernel: JITFunction, arguments: dict) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, attrs) of `ASTSource`, as Triton specialises a launch with these arguments."""
-    signature, constexprs, attrs = {}, {}, {}
-    for index, param in enumerate(kernel.params):
-        value = arguments[param.name]
-        key = (index,)
-        if param.is_constexpr or value is None:
-            signature[param.name], constexprs[key] = "constexpr", value
-        elif isinstance(value, torch.Tensor):
-            signature[param.name] = "*" + POINTER_TYPES[value.dtype]
-            if value.data_ptr() % 16 == 0:
-                attrs[key] = [["tt.divisibility", 16]]
-        elif isinstance(value, bool):
-            signature[param.name] = "i1"
-        elif isinstance(value, int):
-            if value == 1 and not param.do_not_specialize:
-                signature[param.name], constexprs[key] = "constexpr", 1
-                continue
-            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-            if value % 16 == 0 and not param.do_not_specialize:
-                attrs[key] = [["tt.divisibility", 16]]
-        elif isinstance(value, float):
-            signature[param.name] = "fp32"
-        else:
-            raise TypeError(f"{kernel.fn.__name__}: argument {param.name} of type {type(value).__name__}")
-    return signature, constexprs, attrs
 
 
 def compile_launches(launches) -> dict[str, int]:
@@ -121,8 +50,7 @@ def compile_launches(launches) -> dict[str, int]:
         if key in seen:
             continue
         seen.add(key)
-        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
-                                  options=options)
+        compiled = compile_launch(kernel, arguments, options)
         if compiled.metadata.shared > SHARED_BYTES:
             raise RuntimeError(f"{name} {options} takes {compiled.metadata.shared} bytes of shared memory, "
                                f"more than sm_90's {SHARED_BYTES}")

@@ -1,0 +1,65 @@
+"""`evals.bench.sass_loop` on this machine, GPU or not, with the installed Triton and the GPU image's
+(as `tests/test_kernels_compile.py`): it finds the attention pass's loop in the sm_90 machine code, and
+that code has the properties the kernels' notes claim of it (longflow/kernels/NOTES.md): LongFlow's
+log2 ||v||_1 on the multi-function unit, not libdevice's polynomial; the warp-split loop without the
+plain loop's barriers between its warps."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from evals.bench.sass_loop import main_loop
+
+pytest.importorskip("triton")
+
+GPU_TRITON = Path(sys.prefix) / "gpu-triton"
+TRITONS = {"installed": None} | ({"gpu image": GPU_TRITON} if GPU_TRITON.is_dir() else {})
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, RZ ;
+        /*0020*/                   MUFU.EX2 R2, R3 ;
+        /*0030*/              @!P0 BRA 0x10 ;
+        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0050*/                   FFMA R2, R3, R4, R5 ;
+        /*0060*/                   BRA 0x40 ;
+        /*0070*/                   EXIT ;
+"""
+
+
+def run(triton: str, *args: str) -> list[dict]:
+    env = os.environ | {"TRITON_INTERPRET": "0"}
+    if TRITONS[triton] is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(TRITONS[triton]), env.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-m", "evals.bench.sass_loop", *args, "--json"], capture_output=True,
+                            text=True, env=env, timeout=1800, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def test_the_loop_is_the_longest_backward_branch_with_products():
+    """The second loop (0x40-0x60) is as long, but holds no tensor-core product."""
+    loop = main_loop(SASS)
+    assert loop.instructions == 3 and loop.kinds["HMMA"] == 1 and loop.kinds["BAR"] == 0
+    assert loop.mufu == {"EX2": 1}
+
+
+@pytest.mark.parametrize("triton", list(TRITONS))
+def test_the_attention_loops_machine_code(triton):
+    rows = {(row["name"], row["loop"]): row for row in run(triton, "--batch", "16", "--slots", "320")}
+    passes = ("LongFlow", "H2O", "flash_decode")
+    assert set(rows) == {(name, loop) for name in passes for loop in ("plain", "warp-split")}
+    for row in rows.values():
+        assert row["body"]["instructions"] > 100 and min(row["programs"].values()) >= 1
+    for loop in ("plain", "warp-split"):
+        longflow = rows[("LongFlow", loop)]["body"]
+        assert longflow["mufu"].get("LG2", 0) > 0 and longflow["kinds"]["FFMA"] < 8  # no log2f polynomial
+        assert longflow["kinds"]["HMMA"] == rows[("H2O", loop)]["body"]["kinds"]["HMMA"] * 3 // 2  # ||v||_1 products
+        assert rows[("flash_decode", loop)]["body"]["kinds"]["STG"] == 0  # no scratch
+    for name in passes:
+        assert rows[(name, "warp-split")]["body"]["kinds"]["BAR"] < rows[(name, "plain")]["body"]["kinds"]["BAR"]
