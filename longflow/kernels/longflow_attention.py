@@ -71,6 +71,20 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
+def _tile_validity(valid_row, slots, hi, ok_next, stride_valid_s, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
+    """(this tile's validity, the next tile's bytes) for `slots` of any shape: with PREFETCH the
+    mask is loaded one tile ahead (a byte per slot is below the 4 bytes of an asynchronous copy, so
+    the compiler does not pipeline it, and an in-loop load would stall every iteration for a full
+    memory latency); `ok_next` is the prefetched tile's (ignored without PREFETCH)."""
+    if PREFETCH:
+        ok = ok_next != 0
+        ok_next = tl.load(valid_row + (slots + BLOCK_N) * stride_valid_s, mask=(slots + BLOCK_N) < hi, other=0)
+    else:
+        ok = tl.load(valid_row + slots * stride_valid_s, mask=slots < hi, other=0) != 0
+    return ok, ok_next
+
+
+@triton.jit
 def _warp_split_loop(q, K_HEAD, V_HEAD, valid_row, T, rows, m0, l0, acc0, lo, hi, n_slots, qk_scale,
                      stride_ks, stride_kd, stride_vs, stride_vd, stride_valid_s,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -102,11 +116,7 @@ def _warp_split_loop(q, K_HEAD, V_HEAD, valid_row, T, rows, m0, l0, acc0, lo, hi
     for start in range(lo, hi, BLOCK_N):
         slots = start + sub
         s_ok = slots < hi
-        if PREFETCH:
-            ok = ok_next != 0
-            ok_next = tl.load(valid_row + (slots + BLOCK_N) * stride_valid_s, mask=(slots + BLOCK_N) < hi, other=0)
-        else:
-            ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0) != 0
+        ok, ok_next = _tile_validity(valid_row, slots, hi, ok_next, stride_valid_s, BLOCK_N, PREFETCH)
         if HEAD_DIM == HEAD_DIM_PAD:
             kv_mask = s_ok[:, :, None]
         else:
@@ -254,9 +264,6 @@ def _partial_kernel(
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n_slots)
     valid_row = VALID + b * stride_valid_b + kv_head * stride_valid_h
-    # The mask is loaded one tile ahead (PREFETCH): a byte per slot is below the 4 bytes of an
-    # asynchronous copy, so the compiler does not pipeline it, and an in-loop load would stall
-    # every iteration for a full memory latency.
     if WARP_SPLIT:
         tl.static_assert(not SCRATCH_FP16, "the warp-split loop writes the fp32 scratch only")
         m_i, l_i, acc = _warp_split_loop(
@@ -269,11 +276,7 @@ def _partial_kernel(
         for start in range(lo, hi, BLOCK_N):
             slots = start + offs_n
             s_ok = slots < hi
-            if PREFETCH:
-                ok = ok_next != 0
-                ok_next = tl.load(valid_row + (slots + BLOCK_N) * stride_valid_s, mask=(slots + BLOCK_N) < hi, other=0)
-            else:
-                ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0) != 0
+            ok, ok_next = _tile_validity(valid_row, slots, hi, ok_next, stride_valid_s, BLOCK_N, PREFETCH)
             if HEAD_DIM == HEAD_DIM_PAD:
                 kv_mask = s_ok[:, None]
             else:
