@@ -164,6 +164,16 @@ def test_strided_views_and_protect():
     assert int(next_slot[1]) == 10
 
 
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(6, 2, 80), (2, 2, 128)], ids=["g3-d80", "g1-d128"])
+def test_warp_split_with_padded_heads_and_dims(q_heads, kv_heads, head_dim):
+    """Three query heads a group (padded to 16 rows) and a head dim of 80 (padded to 128), or one head
+    a group: the warp-split loop's masks, against the float32 reference."""
+    q, k, v, valid = make_inputs(3, q_heads, kv_heads, 170, head_dim, torch.bfloat16, "padding", seed=head_dim)
+    config = LaunchConfig(block_n=64, splits=2, score_splits=2, block_s=32, warp_split=True)
+    out, next_slot = longflow_attention(q, k, v, valid, config=config)
+    check(q, k, v, valid, out, next_slot)
+
+
 def test_warp_split_needs_16_slots_a_warp_and_the_fp32_scratch():
     with pytest.raises(ValueError, match="block_n must be >= 128"):
         LaunchConfig(block_n=64, num_warps=8, warp_split=True)
