@@ -250,14 +250,13 @@ def method_calls(method: str, q, k, v, valid):
 
 
 def warp_split_config(q, k):
-    """The kernels' heuristic configuration at this shape with the warp-split loop, and the fp32
-    scratch where the heuristic picks fp16 (which the loop does not write)."""
+    """The kernels' heuristic configuration at this shape, with the warp-split loop."""
     from longflow.kernels.longflow_attention import _l2_bytes, _multiprocessors, default_config
 
     batch, q_heads, head_dim = q.shape
     config = default_config(batch, k.shape[1], q_heads, k.shape[2], head_dim, _multiprocessors(q.device),
                             _l2_bytes(q.device))
-    return dataclasses.replace(config, warp_split=True, scratch="fp32")
+    return dataclasses.replace(config, warp_split=True)
 
 
 def measure_point(batch: int, slots: int, methods, bandwidth: float, device: torch.device) -> list[dict]:

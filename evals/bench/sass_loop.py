@@ -79,8 +79,8 @@ def attention_calls(batch: int, slots: int, warp_split: bool):
     received = torch.zeros(batch, KV_HEADS, slots)
     lengths = torch.full((batch,), slots, dtype=torch.int32)
     config = default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, SMS, L2_BYTES)
-    if warp_split:  # the loop writes the fp32 scratch only
-        config = dataclasses.replace(config, warp_split=True, scratch="fp32")
+    if warp_split:
+        config = dataclasses.replace(config, warp_split=True)
     return [("LongFlow", lambda: longflow_attention(q, k, v, valid[:, 0], config=config)),
             ("H2O", lambda: scored_attention(q, k, v, valid, next_slot, score="accumulated", per_kv_head=True,
                                              received=received, config=config)),

@@ -85,20 +85,23 @@ def _tile_validity(valid_row, slots, hi, ok_next, stride_valid_s, BLOCK_N: tl.co
 
 
 @triton.jit
-def _warp_split_loop(q, K_HEAD, V_HEAD, valid_row, T, rows, m0, l0, acc0, lo, hi, n_slots, qk_scale,
+def _warp_split_loop(q, K_HEAD, V_HEAD, valid_row, T, TREF, rows, m0, l0, acc0, lo, hi, n_slots, n_tiles, qk_scale,
                      stride_ks, stride_kd, stride_vs, stride_vd, stride_valid_s,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                      HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
                      FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, VNORM_MMA: tl.constexpr,
-                     KV_EVICT: tl.constexpr, T_EVICT: tl.constexpr, SCORE: tl.constexpr, VNORM: tl.constexpr):
+                     KV_EVICT: tl.constexpr, T_EVICT: tl.constexpr, SCORE: tl.constexpr, VNORM: tl.constexpr,
+                     SCRATCH_FP16: tl.constexpr):
     """The attention pass's loop over slots [lo, hi) with each warp on its own `BLOCK_N / WARPS` slots
     of every tile (`LaunchConfig.warp_split`): the products are batched `[WARPS, G_PAD, D] x
     [WARPS, D, SUB]`, a batch a warp, and each warp keeps its own softmax state, so that no warp waits
     for another inside the loop (the plain loop splits a tile's slots over the warps too, but combines
     the row maxima and sums and hands the probabilities to the second product through shared memory
     in every iteration). The warps' states and the state (m0, l0, acc0) it starts from are combined
-    once at the end. Writes the fp32 scratch (`T`, rows `rows`) when SCORE; returns (m, l, acc),
-    `[G_PAD]`, `[G_PAD]`, `[G_PAD, D_PAD]`, as the plain loop leaves them."""
+    once at the end. Writes the scratch (`T`, rows `rows`) when SCORE, in fp16 relative to the running
+    max of each warp's `BLOCK_N / WARPS` slots (`TREF`, `n_tiles` of them a row: the score pass's
+    sub-tiles are that size); returns (m, l, acc), `[G_PAD]`, `[G_PAD]`, `[G_PAD, D_PAD]`, as the plain
+    loop leaves them."""
     SUB: tl.constexpr = BLOCK_N // WARPS
     tl.static_assert(SUB >= 16, "each warp's share of a tile is the second product's k: at least 16 slots")
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -154,8 +157,16 @@ def _warp_split_loop(q, K_HEAD, V_HEAD, valid_row, T, rows, m0, l0, acc0, lo, hi
                 ones = tl.full([WARPS, GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
                 vnorm = tl.dot(ones, tl.trans(tl.abs(v), 0, 2, 1))
                 log_vnorm = log2_approx(tl.maximum(vnorm, 1e-30))  # [WARPS, G_PAD, SUB], rows equal
-            tl.store(t_rows + slots[:, None, :], s + log_vnorm, mask=g_ok[None, :, None] & s_ok[:, None, :],
-                     eviction_policy=T_EVICT)
+            t_mask = g_ok[None, :, None] & s_ok[:, None, :]
+            if SCRATCH_FP16:
+                # As the plain loop's: small numbers relative to the warp's running max, its reference.
+                u = s - m_use[:, :, None] + log_vnorm
+                tl.store(t_rows + slots[:, None, :], u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
+                first = start + tl.arange(0, WARPS) * SUB  # each warp's first slot of the tile
+                tl.store(TREF + rows[None, :] * n_tiles + (first // SUB)[:, None], m_use,
+                         mask=g_ok[None, :] & (first < hi)[:, None])
+            else:
+                tl.store(t_rows + slots[:, None, :], s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
     # The warps' states and the starting one rescaled to their common maximum; a state that saw no
     # valid slot (m = -inf, l = 0) weighs 0.
     m = tl.maximum(reduce_max(m_i, 0), m0)
@@ -265,12 +276,11 @@ def _partial_kernel(
         hi = tl.minimum(lo + chunk, n_slots)
     valid_row = VALID + b * stride_valid_b + kv_head * stride_valid_h
     if WARP_SPLIT:
-        tl.static_assert(not SCRATCH_FP16, "the warp-split loop writes the fp32 scratch only")
         m_i, l_i, acc = _warp_split_loop(
             q, K + b * stride_kb + kv_head * stride_kh, V + b * stride_vb + kv_head * stride_vh, valid_row, T,
-            rows, m_i, l_i, acc, lo, hi, n_slots, qk_scale, stride_ks, stride_kd, stride_vs, stride_vd,
-            stride_valid_s, GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, WARPS, FP32_DOT, PREFETCH,
-            VNORM_MMA, KV_EVICT, T_EVICT, SCORE, VNORM)
+            TREF, rows, m_i, l_i, acc, lo, hi, n_slots, n_tiles, qk_scale, stride_ks, stride_kd, stride_vs,
+            stride_vd, stride_valid_s, GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, WARPS, FP32_DOT,
+            PREFETCH, VNORM_MMA, KV_EVICT, T_EVICT, SCORE, VNORM, SCRATCH_FP16)
     else:
         ok_next = tl.load(valid_row + (lo + offs_n) * stride_valid_s, mask=(lo + offs_n) < hi, other=0)
         for start in range(lo, hi, BLOCK_N):
@@ -573,7 +583,7 @@ class LaunchConfig:
     vnorm: str = "mma"  # ||v||_1 as ones @ |v|^T on the tensor cores ("mma") or a reduction ("reduce")
     l2_hints: bool = True  # K/V loaded `evict_first`, the scratch stored `evict_last`
     # Each warp of the attention pass on its own block_n / num_warps slots of every tile, with its own
-    # softmax state (`_warp_split_loop`); fp32 scratch only.
+    # softmax state (`_warp_split_loop`).
     warp_split: bool = False
 
     def __post_init__(self):
@@ -590,8 +600,6 @@ class LaunchConfig:
         if self.warp_split and self.block_n < 16 * self.num_warps:
             raise ValueError(f"warp_split gives each of the {self.num_warps} warps block_n / num_warps slots of a "
                              f"tile, at least 16: block_n must be >= {16 * self.num_warps}, got {self.block_n}")
-        if self.warp_split and self.scratch != "fp32":
-            raise ValueError("warp_split writes the fp32 scratch only")
 
 
 @functools.cache
@@ -843,12 +851,14 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
     # Whole tiles per split; the split counts actually launched follow from the rounding.
     chunk, splits = _even_split(slots, config.splits, config.block_n)
     fp16_scratch = config.scratch == "fp16"
-    # fp16 scratch: a score tile is whole attention tiles (its references are per attention tile).
-    block_s = max(config.block_s, config.block_n) if fp16_scratch else config.block_s
-    subtile = config.block_n if fp16_scratch else block_s
+    # fp16 scratch: a score tile is whole reference tiles, the attention tiles (each warp's share of
+    # one with `warp_split`), whose running maxima the references are.
+    reference_tile = config.block_n // config.num_warps if config.warp_split else config.block_n
+    block_s = max(config.block_s, reference_tile) if fp16_scratch else config.block_s
+    subtile = reference_tile if fp16_scratch else block_s
     score_chunk = triton.cdiv(triton.cdiv(slots, config.score_splits), block_s) * block_s
     score_splits = triton.cdiv(slots, score_chunk)
-    n_tiles = triton.cdiv(slots, config.block_n)
+    n_tiles = triton.cdiv(slots, reference_tile)
     fp32_dot = ieee_products(q.dtype)
 
     device, f32 = q.device, torch.float32
