@@ -22,7 +22,9 @@ cost as much. The work is split in two launches (no memset, no host sync):
    on the scores, below the bf16 rounding of the logits' inputs; `default_config` picks it where
    the fp32 scratch overflows its share of L2 at small batch (NOTES.md). ||v_j||_1 is computed on
    the tensor cores as `ones @ |v|^T`, which lands in the logits' layout: a reduction over D cost
-   20-30% more time.
+   20-30% more time. `LaunchConfig.warp_split` (off by default, not yet timed) gives each warp its
+   own share of every tile and its own softmax state (`_warp_split_loop`), so that the warps do not
+   exchange statistics through shared memory in every iteration.
 2. `_score_kernel`, grid `(B, score_splits)`: combines the (m, l) partials into the final softmax
    statistics of every query head, combines the partial outputs (its share of heads), then scores
    its slot range and reduces the argmin with free slots first (key -1) and protected slots last
