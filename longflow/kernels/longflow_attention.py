@@ -87,6 +87,76 @@ def _tile_validity(valid_row, slots, hi, ok_next, stride_valid_s, BLOCK_N: tl.co
 
 
 @triton.jit
+def _last_two_swapped(x):
+    """`[..., N, D]` -> `[..., D, N]`, for a tile of one row (2D) or of every warp (3D)."""
+    if len(x.shape) == 3:
+        return tl.trans(x, 0, 2, 1)
+    else:
+        return tl.trans(x)
+
+
+@triton.jit
+def _attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr):
+    """One tile of the online softmax, for the plain loop (q `[G_PAD, D]`, k and v `[N, D]`, ok `[N]`)
+    and the warp-split one (a leading `[WARPS]` on each): the logits in base 2 (exp2(x * log2 e) =
+    exp(x)), masked, and the running (m, l, acc) updated; `m_use` stays finite so that fully masked
+    tiles give 0, never NaN. Returns (logits, m_use, m, l, acc)."""
+    LAST: tl.constexpr = len(q.shape) - 1
+    if FP32_DOT:
+        s = tl.dot(q.to(tl.float32), _last_two_swapped(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, _last_two_swapped(k))
+    s = tl.where(tl.expand_dims(ok, LAST - 1), s * qk_scale, float("-inf"))  # [..., G_PAD, N]
+    m_new = tl.maximum(m_i, reduce_max(s, LAST))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - tl.expand_dims(m_use, LAST))
+    l_i = l_i * alpha + reduce_sum(p, LAST)
+    if FP32_DOT:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    acc = acc * tl.expand_dims(alpha, LAST) + pv
+    return s, m_use, m_new, l_i, acc
+
+
+@triton.jit
+def _write_scratch(t_ptrs, t_mask, tref_ptrs, tref_mask, s, m_use, q, v, VNORM: tl.constexpr,
+                   VNORM_MMA: tl.constexpr, FP32_DOT: tl.constexpr, SCRATCH_FP16: tl.constexpr,
+                   T_EVICT: tl.constexpr):
+    """A tile's score scratch, as `_attend_tile` left it (either loop's shapes): t = logit (+ log2
+    ||v||_1 for LongFlow's score, VNORM), so that p (* ||v||_1) = exp2(t - m) / l later; in fp16,
+    relative to the running max `m_use`, which goes to the tile's reference (`tref_ptrs`).
+    ||v_j||_1 comes from the tensor cores, ones @ |v|^T with `ones` shaped as q, already in the layout
+    of the logits (every row equal): a reduction over D would need shuffles and a layout conversion.
+    Floored at 1e-30 so that zero vectors and padding give a very negative number, not -inf. With
+    16-bit inputs its log2 is the multi-function unit's approximation (`log2_approx`): libdevice's
+    accurate one was a third of the loop's instructions. Float32 inputs keep it, so that their scores
+    stay within rounding of the eager path's."""
+    LAST: tl.constexpr = len(s.shape) - 1
+    if not VNORM:
+        log_vnorm = 0.0
+    elif not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
+        vnorm = reduce_sum(tl.abs(v.to(tl.float32)), LAST)
+        log_vnorm = tl.log2(tl.maximum(tl.expand_dims(vnorm, LAST - 1), 1e-30))  # [..., 1, N]
+    elif FP32_DOT:
+        ones = tl.full(q.shape, 1.0, tl.float32)
+        vnorm = tl.dot(ones, _last_two_swapped(tl.abs(v.to(tl.float32))), input_precision="ieee")
+        log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [..., G_PAD, N], rows equal
+    else:
+        ones = tl.full(q.shape, 1.0, v.dtype)
+        vnorm = tl.dot(ones, _last_two_swapped(tl.abs(v)))
+        log_vnorm = log2_approx(tl.maximum(vnorm, 1e-30))  # [..., G_PAD, N], rows equal
+    if SCRATCH_FP16:
+        # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
+        u = s - tl.expand_dims(m_use, LAST) + log_vnorm
+        tl.store(t_ptrs, u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
+        tl.store(tref_ptrs, m_use, mask=tref_mask)
+    else:
+        tl.store(t_ptrs, s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
+
+
+@triton.jit
 def _warp_split_loop(q, K_HEAD, V_HEAD, valid_row, T, TREF, rows, m0, l0, acc0, lo, hi, n_slots, n_tiles, qk_scale,
                      stride_ks, stride_kd, stride_vs, stride_vd, stride_valid_s,
                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -128,47 +198,13 @@ def _warp_split_loop(q, K_HEAD, V_HEAD, valid_row, T, TREF, rows, m0, l0, acc0, 
             kv_mask = s_ok[:, :, None] & d_ok[None, None, :]
         k = tl.load(k_cols + slots[:, :, None] * stride_ks, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
         v = tl.load(v_cols + slots[:, :, None] * stride_vs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-        if FP32_DOT:
-            s = tl.dot(q3.to(tl.float32), tl.trans(k.to(tl.float32), 0, 2, 1), input_precision="ieee")
-        else:
-            s = tl.dot(q3, tl.trans(k, 0, 2, 1))
-        s = tl.where(ok[:, None, :], s * qk_scale, float("-inf"))  # [WARPS, G_PAD, SUB]
-        m_new = tl.maximum(m_i, reduce_max(s, 2))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, :, None])
-        l_i = l_i * alpha + reduce_sum(p, 2)
-        if FP32_DOT:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, :, None] + pv
-        m_i = m_new
+        s, m_use, m_i, l_i, acc = _attend_tile(q3, k, v, ok, m_i, l_i, acc, qk_scale, FP32_DOT)
         if SCORE:
-            # As the plain loop's scratch (see there): t = logit (+ log2 ||v||_1).
-            if not VNORM:
-                log_vnorm = 0.0
-            elif not VNORM_MMA:
-                vnorm = reduce_sum(tl.abs(v.to(tl.float32)), 2)[:, None, :]
-                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [WARPS, 1, SUB]
-            elif FP32_DOT:
-                ones = tl.full([WARPS, GROUP_PAD, HEAD_DIM_PAD], 1.0, tl.float32)
-                vnorm = tl.dot(ones, tl.trans(tl.abs(v.to(tl.float32)), 0, 2, 1), input_precision="ieee")
-                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [WARPS, G_PAD, SUB], rows equal
-            else:
-                ones = tl.full([WARPS, GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
-                vnorm = tl.dot(ones, tl.trans(tl.abs(v), 0, 2, 1))
-                log_vnorm = log2_approx(tl.maximum(vnorm, 1e-30))  # [WARPS, G_PAD, SUB], rows equal
-            t_mask = g_ok[None, :, None] & s_ok[:, None, :]
-            if SCRATCH_FP16:
-                # As the plain loop's: small numbers relative to the warp's running max, its reference.
-                u = s - m_use[:, :, None] + log_vnorm
-                tl.store(t_rows + slots[:, None, :], u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
-                first = start + tl.arange(0, WARPS) * SUB  # each warp's first slot of the tile
-                tl.store(TREF + rows[None, :] * n_tiles + (first // SUB)[:, None], m_use,
-                         mask=g_ok[None, :] & (first < hi)[:, None])
-            else:
-                tl.store(t_rows + slots[:, None, :], s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
+            first = start + tl.arange(0, WARPS) * SUB  # each warp's first slot of the tile: its reference's
+            _write_scratch(t_rows + slots[:, None, :], g_ok[None, :, None] & s_ok[:, None, :],
+                           TREF + rows[None, :] * n_tiles + (first // SUB)[:, None],
+                           g_ok[None, :] & (first < hi)[:, None], s, m_use, q3, v, VNORM, VNORM_MMA, FP32_DOT,
+                           SCRATCH_FP16, T_EVICT)
     # The warps' states and the starting one rescaled to their common maximum; a state that saw no
     # valid slot (m = -inf, l = 0) weighs 0.
     m = tl.maximum(reduce_max(m_i, 0), m0)
@@ -296,58 +332,11 @@ def _partial_kernel(
             # K/V are read once: `evict_first` keeps them from pushing the scratch out of L2.
             k = tl.load(k_base + slots[:, None] * stride_ks, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
             v = tl.load(v_base + slots[:, None] * stride_vs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-
-            # Logits in base 2: exp2(x * log2 e) = exp(x).
-            if FP32_DOT:
-                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(ok[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
-
-            # Online softmax; `m_use` stays finite so that fully masked tiles give 0, never NaN.
-            m_new = tl.maximum(m_i, reduce_max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + reduce_sum(p, 1)
-            if FP32_DOT:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-
+            s, m_use, m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, FP32_DOT)
             if SCORE:
-                # Score scratch: t = logit (+ log2 ||v||_1 for LongFlow's score, VNORM), so that
-                # p (* ||v||_1) = exp2(t - m) / l later.
-                # ||v_j||_1 comes from the tensor cores, ones @ |v|^T, already in the layout of the logits
-                # (every row equal): a reduction over D would need shuffles and a layout conversion.
-                # Floored at 1e-30 so that zero vectors and padding give a very negative number, not -inf.
-                # With 16-bit inputs its log2 is the multi-function unit's approximation (`log2_approx`):
-                # libdevice's accurate one was a third of the loop's instructions. Float32 inputs keep it,
-                # so that their scores stay within rounding of the eager path's.
-                if not VNORM:
-                    log_vnorm = 0.0
-                elif not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
-                    vnorm = reduce_sum(tl.abs(v.to(tl.float32)), 1)[None, :]
-                    log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [1, BLOCK_N]
-                elif FP32_DOT:
-                    ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, tl.float32)
-                    vnorm = tl.dot(ones, tl.trans(tl.abs(v.to(tl.float32))), input_precision="ieee")
-                    log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N], rows equal
-                else:
-                    ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
-                    vnorm = tl.dot(ones, tl.trans(tl.abs(v)))
-                    log_vnorm = log2_approx(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N], rows equal
-                t_mask = g_ok[:, None] & s_ok[None, :]
-                if SCRATCH_FP16:
-                    # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
-                    u = s - m_use[:, None] + log_vnorm
-                    tl.store(t_rows + slots[None, :], u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
-                    tl.store(TREF + rows * n_tiles + start // BLOCK_N, m_use, mask=g_ok)
-                else:
-                    tl.store(t_rows + slots[None, :], s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
-
+                _write_scratch(t_rows + slots[None, :], g_ok[:, None] & s_ok[None, :],
+                               TREF + rows * n_tiles + start // BLOCK_N, g_ok, s, m_use, q, v, VNORM, VNORM_MMA,
+                               FP32_DOT, SCRATCH_FP16, T_EVICT)
     tl.store(M_PART + rows * n_splits + split, m_i, mask=g_ok)
     tl.store(L_PART + rows * n_splits + split, l_i, mask=g_ok)
     out_mask = g_ok[:, None] & d_ok[None, :]
