@@ -27,9 +27,10 @@ ahead) whose only switch is what it writes per tile besides the output (`STORE`)
      asynchronously, where `tl.store` has every thread store its elements; the descriptor's
      `[B * Hkv, G, S]` bounds clip the padding heads and the slots past the last;
 and whether K and V come through tensor descriptors (TMA) instead of pointer loads. A second loop,
-`_warp_split_kernel` (stores 0, 1 and 5), gives each warp its own quarter of every tile and its own
-softmax state, so that no warp waits for another inside the loop (the kernel's loop exchanges the
-row statistics and the probabilities between its warps through shared memory in every iteration).
+`_warp_split_kernel` (stores 0 and 1, pointer loads), is the kernel's `LaunchConfig.warp_split` loop:
+each warp takes its own share of every tile and keeps its own softmax state, so that no warp waits
+for another inside the loop (the kernel's plain loop exchanges the row statistics and the
+probabilities between its warps through shared memory in every iteration).
 Each variant is
 timed in CUDA graphs over input sets that overflow L2 (`evals.bench.attention`'s timing), next to
 cuDNN SDPA and `flash_decode` in the same process. Needs a CUDA GPU.
@@ -63,7 +64,8 @@ from evals.bench.attention import (  # noqa: E402
     interleaved_ms,
     method_calls,
 )
-from longflow.kernels.longflow_attention import LOG2E  # noqa: E402
+from longflow.kernels.longflow_attention import LOG2E, _warp_split_loop  # noqa: E402
+from longflow.kernels.precision import ieee_products  # noqa: E402
 from longflow.kernels.reductions import reduce_max, reduce_min, reduce_sum  # noqa: E402
 
 GROUP_PAD = 16  # a KV head's query heads, padded to the rows of a tensor-core tile
@@ -73,9 +75,8 @@ VARIANTS = ([(64, False, 4, 4, False, store) for store in range(5)]
             + [(64, True, 4, 4, False, 0), (64, True, 4, 4, False, 1), (128, False, 3, 4, False, 1),
                (128, False, 3, 4, False, 3), (64, False, 4, 4, False, 5), (128, False, 3, 4, False, 5),
                (64, False, 4, 4, False, 7), (64, True, 4, 4, False, 7)]
-            + [(64, False, 4, 4, True, store) for store in (0, 1, 5)]
-            + [(64, False, 3, 4, True, 1), (128, False, 3, 4, True, 1), (128, False, 3, 8, True, 1),
-               (64, True, 4, 4, True, 1)])
+            + [(64, False, 4, 4, True, store) for store in (0, 1)]
+            + [(64, False, 3, 4, True, 1), (128, False, 3, 4, True, 1), (128, False, 3, 8, True, 1)])
 
 
 @triton.jit
@@ -165,67 +166,30 @@ def _pass_kernel(Q, K, V, K_DESC, V_DESC, SCRATCH_DESC, VALID, OUT, SCRATCH, PAR
 
 
 @triton.jit
-def _warp_split_kernel(Q, K, V, K_DESC, V_DESC, VALID, OUT, SCRATCH, slots, qk_scale,
-                       KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_N: tl.constexpr, WARPS: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr,
-                       STORE: tl.constexpr):
-    """`_pass_kernel`'s loop with each warp on its own `BLOCK_N / WARPS` slots of every tile: a batched
-    product `[WARPS, GROUP_PAD, D] x [WARPS, D, SUB]`, whose batch the compiler gives one warp each, and a
-    softmax state per warp, combined once after the loop. Where `_pass_kernel` splits a tile's slots
-    over the warps too but combines them in every iteration (the row maxima and sums across warps, and
-    the probabilities handed to the second product through shared memory, each behind a barrier), a
-    warp here never waits for another inside the loop. Stores 0, 1 and 5 only."""
-    SUB: tl.constexpr = BLOCK_N // WARPS
+def _warp_split_kernel(Q, K, V, VALID, OUT, SCRATCH, slots, qk_scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                       GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
+                       FP32_DOT: tl.constexpr, STORE: tl.constexpr):
+    """The kernel's own warp-split loop (`longflow.kernels.longflow_attention._warp_split_loop`, as
+    `LaunchConfig.warp_split` runs it) in this study's setting, one program per (row, KV head): each
+    warp on its own `BLOCK_N / WARPS` slots of every tile with its own softmax state, where
+    `_pass_kernel` exchanges the row statistics and the probabilities between its warps in every
+    iteration. Stores 0 and 1 (the bare logits, as the kernel's H2O and TOVA passes write them)."""
     pid = tl.program_id(0)
     b = pid // KV_HEADS
     kv_head = pid % KV_HEADS
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    sub = tl.arange(0, WARPS)[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [WARPS, SUB] slots of a tile
     g_ok = offs_g < GROUP
     rows = b * (KV_HEADS * GROUP) + kv_head * GROUP + offs_g
     q = tl.load(Q + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-    q = tl.broadcast_to(q[None, :, :], (WARPS, GROUP_PAD, HEAD_DIM))
-    m_i = tl.full([WARPS, GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.full([WARPS, GROUP_PAD], 0.0, tl.float32)
-    acc = tl.full([WARPS, GROUP_PAD, HEAD_DIM], 0.0, tl.float32)
-    valid_row = VALID + b.to(tl.int64) * slots
     head = b.to(tl.int64) * KV_HEADS + kv_head
-    scratch_rows = SCRATCH + rows.to(tl.int64)[None, :, None] * slots  # [1, GROUP_PAD, 1]
-    ok_next = tl.load(valid_row + sub, mask=sub < slots, other=0)
-    for start in tl.range(0, slots, BLOCK_N, num_stages=STAGES):
-        cols = start + sub  # [WARPS, SUB]
-        s_ok = cols < slots
-        ok = (ok_next != 0) & s_ok
-        ok_next = tl.load(valid_row + cols + BLOCK_N, mask=(cols + BLOCK_N) < slots, other=0)
-        if TMA:
-            k = K_DESC.load([b, kv_head, start, 0]).reshape(WARPS, SUB, HEAD_DIM)
-            v = V_DESC.load([b, kv_head, start, 0]).reshape(WARPS, SUB, HEAD_DIM)
-        else:
-            kv = head * slots * HEAD_DIM + cols[:, :, None] * HEAD_DIM + offs_d[None, None, :]
-            k = tl.load(K + kv, mask=s_ok[:, :, None], other=0.0, eviction_policy="evict_first")
-            v = tl.load(V + kv, mask=s_ok[:, :, None], other=0.0, eviction_policy="evict_first")
-        s = tl.dot(q, tl.trans(k, 0, 2, 1)) * qk_scale  # [WARPS, GROUP_PAD, SUB]
-        s = tl.where(ok[:, None, :], s, float("-inf"))
-        t_mask = g_ok[None, :, None] & s_ok[:, None, :]
-        if STORE == 1:
-            tl.store(scratch_rows + cols[:, None, :], s, mask=t_mask)
-        elif STORE == 5:
-            _store_in_place((scratch_rows + cols[:, None, :]).to(tl.int64), s, t_mask)
-        m_new = tl.maximum(m_i, reduce_max(s, 2))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, :, None])
-        l_i = l_i * alpha + reduce_sum(p, 2)
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    # The warps' states combined: rescaled to the common maximum (a warp that saw only masked slots
-    # has m = -inf and l = 0, and weighs 0).
-    m = reduce_max(m_i, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    scale = tl.exp2(m_i - m_use[None, :])  # [WARPS, GROUP_PAD]
-    l_sum = reduce_sum(l_i * scale, 0)
-    out = reduce_sum(acc * scale[:, :, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    m, l, acc = _warp_split_loop(
+        q, K + head * slots * HEAD_DIM, V + head * slots * HEAD_DIM, VALID + b.to(tl.int64) * slots, SCRATCH,
+        SCRATCH, rows.to(tl.int64), tl.full([GROUP_PAD], float("-inf"), tl.float32),
+        tl.full([GROUP_PAD], 0.0, tl.float32), tl.full([GROUP_PAD, HEAD_DIM], 0.0, tl.float32), 0, slots, slots, 1,
+        qk_scale, HEAD_DIM, 1, HEAD_DIM, 1, 1, GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM, BLOCK_N, WARPS, FP32_DOT,
+        True, True, "evict_first", "", STORE == 1, False, False)
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(OUT + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=g_ok[:, None])
 
 
@@ -257,9 +221,9 @@ def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, 
               split_warps: bool = False):
     """The pass over q `[B, Hq, D]`, contiguous k, v `[B, Hkv, S, D]` and valid `[B, S]`, as a
     zero-argument call returning out `[B, Hq, D]`; its scratch, allocated once, is the call's
-    `scratch` attribute. `split_warps`: `_warp_split_kernel`'s loop (stores 0, 1 and 5)."""
-    if split_warps and store not in (0, 1, 5):
-        raise ValueError(f"the warp-split loop has stores 0, 1 and 5, not {store}")
+    `scratch` attribute. `split_warps`: `_warp_split_kernel`'s loop (stores 0 and 1, pointer loads)."""
+    if split_warps and (store not in (0, 1) or tma):
+        raise ValueError(f"the warp-split loop has stores 0 and 1 and pointer loads, not store {store}, TMA {tma}")
     batch, q_heads, head_dim = q.shape
     _, kv_heads, slots, _ = k.shape
     out = torch.empty_like(q)
@@ -275,10 +239,9 @@ def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, 
     def run():
         if split_warps:
             _warp_split_kernel[(batch * kv_heads,)](
-                q, k, v, k_desc, v_desc, valid, out, scratch, slots, head_dim**-0.5 * LOG2E,
-                KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=GROUP_PAD, HEAD_DIM=head_dim,
-                BLOCK_N=block_n, WARPS=warps, TMA=tma, STAGES=stages, STORE=store, num_warps=warps,
-                num_stages=stages)
+                q, k, v, valid, out, scratch, slots, head_dim**-0.5 * LOG2E, KV_HEADS=kv_heads,
+                GROUP=q_heads // kv_heads, GROUP_PAD=GROUP_PAD, HEAD_DIM=head_dim, BLOCK_N=block_n, WARPS=warps,
+                FP32_DOT=ieee_products(q.dtype), STORE=store, num_warps=warps, num_stages=stages)
             return out
         _pass_kernel[(batch * kv_heads,)](
             q, k, v, k_desc, v_desc, scratch_desc, valid, out, scratch, partial, slots, head_dim**-0.5 * LOG2E,
