@@ -7,19 +7,14 @@ plain loop's barriers between its warps."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import SM90_TRITONS, sm90_process
 
 from evals.bench.sass_loop import main_loop
 
 pytest.importorskip("triton")
 
-GPU_TRITON = Path(sys.prefix) / "gpu-triton"
-TRITONS = {"installed": None} | ({"gpu image": GPU_TRITON} if GPU_TRITON.is_dir() else {})
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
         /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, RZ ;
@@ -33,11 +28,7 @@ SASS = """
 
 
 def run(triton: str, *args: str) -> list[dict]:
-    env = os.environ | {"TRITON_INTERPRET": "0"}
-    if TRITONS[triton] is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(TRITONS[triton]), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-m", "evals.bench.sass_loop", *args, "--json"], capture_output=True,
-                            text=True, env=env, timeout=1800, cwd=Path(__file__).parents[1])
+    result = sm90_process(triton, "-m", "evals.bench.sass_loop", *args, "--json")
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
@@ -49,7 +40,7 @@ def test_the_loop_is_the_longest_backward_branch_with_products():
     assert loop.mufu == {"EX2": 1}
 
 
-@pytest.mark.parametrize("triton", list(TRITONS))
+@pytest.mark.parametrize("triton", list(SM90_TRITONS))
 def test_the_attention_loops_machine_code(triton):
     rows = {(row["name"], row["loop"]): row for row in run(triton, "--batch", "16", "--slots", "320")}
     passes = ("LongFlow", "H2O", "flash_decode")

@@ -11,30 +11,23 @@ helper's constexpr default compiled under 3.9 and not under 3.6.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import SM90_TRITONS, sm90_process
 
 pytest.importorskip("triton")  # a Linux-only dependency: elsewhere there is no kernel to compile
 
 SCRIPT = Path(__file__).parent / "helpers" / "sm90.py"
-GPU_TRITON = Path(sys.prefix) / "gpu-triton"
-TRITONS = {"installed": None} | ({"gpu image": GPU_TRITON} if GPU_TRITON.is_dir() else {})
 
 
-@pytest.mark.parametrize("triton", list(TRITONS))
+@pytest.mark.parametrize("triton", list(SM90_TRITONS))
 def test_every_kernel_compiles_for_sm90(triton):
-    env = os.environ | {"TRITON_INTERPRET": "0"}
-    if TRITONS[triton] is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(TRITONS[triton]), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=1800)
+    result = sm90_process(triton, str(SCRIPT))
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["kernels"], "no kernel found"
     assert sorted(report["compiled"]) == report["kernels"], "a kernel no host call launched"
-    if TRITONS[triton] is not None:  # the second Triton was the one imported
-        [dist_info] = TRITONS[triton].glob("triton-*.dist-info")
+    if SM90_TRITONS[triton] is not None:  # the second Triton was the one imported
+        [dist_info] = SM90_TRITONS[triton].glob("triton-*.dist-info")
         assert report["triton"] == dist_info.name.removeprefix("triton-").removesuffix(".dist-info")

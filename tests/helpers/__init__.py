@@ -5,6 +5,9 @@ attention for reference runs."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import types
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +22,21 @@ from longflow.models import ModelSpec, eos_token_ids, load_model
 from longflow.policy import VARIANTS, CacheSpec, KVPolicy
 
 REPO = Path(__file__).resolve().parents[2]
+
+# The Tritons the kernels are compiled for sm_90 with (in a process of their own, the interpreter
+# off): the installed one, and the GPU image's where `make install` put it beside (`$(VENV)/gpu-triton`).
+GPU_TRITON = Path(sys.prefix) / "gpu-triton"
+SM90_TRITONS = {"installed": None} | ({"gpu image": GPU_TRITON} if GPU_TRITON.is_dir() else {})
+
+
+def sm90_process(triton: str, *command: str) -> subprocess.CompletedProcess:
+    """`python *command` from the repository with Triton's interpreter off and `SM90_TRITONS[triton]`
+    first on the path; its output as text."""
+    env = os.environ | {"TRITON_INTERPRET": "0"}
+    if SM90_TRITONS[triton] is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(SM90_TRITONS[triton]), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env, timeout=1800,
+                          cwd=REPO)
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 # Short prompts of different lengths, for the engine against HF's generate.
