@@ -73,18 +73,23 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _tile_validity(valid_row, slots, hi, ok_next, stride_valid_s, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
-    """(this tile's validity, the next tile's bytes) for `slots` of any shape: with PREFETCH the
-    mask is loaded one tile ahead (a byte per slot is below the 4 bytes of an asynchronous copy, so
-    the compiler does not pipeline it, and an in-loop load would stall every iteration for a full
-    memory latency); `ok_next` is the prefetched tile's (ignored without PREFETCH)."""
+def _tile_masks(valid_row, slots, hi, ok_next, d_ok, stride_valid_s, BLOCK_N: tl.constexpr,
+                PREFETCH: tl.constexpr, PADDED_DIM: tl.constexpr):
+    """(in range, valid, the next tile's validity bytes, the K/V loads' mask `[..., N, D]`) of a tile's
+    `slots`, one row's (1D) or every warp's (2D). With PREFETCH the validity is loaded one tile ahead
+    (a byte per slot is below the 4 bytes of an asynchronous copy, so the compiler does not pipeline
+    it, and an in-loop load would stall every iteration for a full memory latency); `ok_next` is the
+    prefetched tile's (ignored without PREFETCH)."""
+    s_ok = slots < hi
     if PREFETCH:
         ok = ok_next != 0
         ok_next = tl.load(valid_row + (slots + BLOCK_N) * stride_valid_s, mask=(slots + BLOCK_N) < hi, other=0)
     else:
-        ok = tl.load(valid_row + slots * stride_valid_s, mask=slots < hi, other=0) != 0
-    return ok, ok_next
-
+        ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0) != 0
+    kv_mask = tl.expand_dims(s_ok, len(slots.shape))
+    if PADDED_DIM:
+        kv_mask = kv_mask & d_ok
+    return s_ok, ok, ok_next, kv_mask
 
 @triton.jit
 def _last_two_swapped(x):
@@ -190,12 +195,8 @@ def _warp_split_loop(q, K_HEAD, V_HEAD, valid_row, T, TREF, rows, m0, l0, acc0, 
     ok_next = tl.load(valid_row + (lo + sub) * stride_valid_s, mask=(lo + sub) < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         slots = start + sub
-        s_ok = slots < hi
-        ok, ok_next = _tile_validity(valid_row, slots, hi, ok_next, stride_valid_s, BLOCK_N, PREFETCH)
-        if HEAD_DIM == HEAD_DIM_PAD:
-            kv_mask = s_ok[:, :, None]
-        else:
-            kv_mask = s_ok[:, :, None] & d_ok[None, None, :]
+        s_ok, ok, ok_next, kv_mask = _tile_masks(valid_row, slots, hi, ok_next, d_ok, stride_valid_s, BLOCK_N,
+                                                 PREFETCH, HEAD_DIM != HEAD_DIM_PAD)
         k = tl.load(k_cols + slots[:, :, None] * stride_ks, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
         v = tl.load(v_cols + slots[:, :, None] * stride_vs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
         s, m_use, m_i, l_i, acc = _attend_tile(q3, k, v, ok, m_i, l_i, acc, qk_scale, FP32_DOT)
@@ -323,12 +324,8 @@ def _partial_kernel(
         ok_next = tl.load(valid_row + (lo + offs_n) * stride_valid_s, mask=(lo + offs_n) < hi, other=0)
         for start in range(lo, hi, BLOCK_N):
             slots = start + offs_n
-            s_ok = slots < hi
-            ok, ok_next = _tile_validity(valid_row, slots, hi, ok_next, stride_valid_s, BLOCK_N, PREFETCH)
-            if HEAD_DIM == HEAD_DIM_PAD:
-                kv_mask = s_ok[:, None]
-            else:
-                kv_mask = s_ok[:, None] & d_ok[None, :]
+            s_ok, ok, ok_next, kv_mask = _tile_masks(valid_row, slots, hi, ok_next, d_ok, stride_valid_s, BLOCK_N,
+                                                     PREFETCH, HEAD_DIM != HEAD_DIM_PAD)
             # K/V are read once: `evict_first` keeps them from pushing the scratch out of L2.
             k = tl.load(k_base + slots[:, None] * stride_ks, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
             v = tl.load(v_base + slots[:, None] * stride_vs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
