@@ -102,3 +102,40 @@ def test_the_warp_split_methods_give_the_plain_kernels_outputs(monkeypatch):
         for a, b in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,),
                         strict=True):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="small shapes for Triton's interpreter")
+def test_nvtx_puts_one_call_of_each_method_in_the_profile_range(monkeypatch):
+    """`--nvtx`: the warm-up calls run outside any NVTX range and exactly one call of each method at each
+    point inside `profile`, under a nested range naming the method and the point (what `ncu
+    --nvtx-include profile/` records)."""
+    import contextlib
+
+    monkeypatch.setattr(bench_attention, "Q_HEADS", 4)
+    monkeypatch.setattr(bench_attention, "KV_HEADS", 2)
+    monkeypatch.setattr(bench_attention, "HEAD_DIM", 16)
+    monkeypatch.setattr(bench_attention, "DTYPE", torch.float32)
+    stack, seen = [], []
+
+    @contextlib.contextmanager
+    def nvtx_range(name):
+        stack.append(name)
+        yield
+        stack.pop()
+
+    def recording(method, *inputs):
+        call, backend = real_method_calls(method, *inputs)
+
+        def recorded():
+            seen.append((method, tuple(stack)))
+            return call()
+        return recorded, backend
+
+    real_method_calls = bench_attention.method_calls
+    monkeypatch.setattr(bench_attention, "method_calls", recording)
+    monkeypatch.setattr(torch.cuda.nvtx, "range", nvtx_range)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    bench_attention.nvtx_calls([1, 2], [80], ["flash_decode", "longflow_fused"], torch.device("cpu"), warmups=2)
+    expected = [call for batch in (1, 2) for method in ("flash_decode", "longflow_fused")
+                for call in ((method, ()), (method, ()), (method, ("profile", f"{method} {batch}x80")))]
+    assert seen == expected and stack == []

@@ -5,6 +5,8 @@
     python -m evals.bench.attention --sweep      # time LaunchConfig variants of the fused kernel
     python -m evals.bench.attention --sweep-step --batches 1   # ... of vanilla's one-launch step
     python -m evals.bench.attention --replot results/fig1.csv   # redraw fig1.png from a CSV (CPU)
+    ncu --nvtx --nvtx-include profile/ -o R python -m evals.bench.attention --nvtx --batches 128 --slots 3200
+                                                 # one call of each method for Nsight Compute
 
 Methods, on the same random cache at Qwen3-8B shapes (32 query heads, 8 KV heads, head dim 128, bf16):
   - `sdpa`: `F.scaled_dot_product_attention` with `enable_gqa` and no mask, under the flash backend
@@ -288,6 +290,25 @@ def run_grid(batches, slot_counts, methods, device) -> list[dict]:
     return rows
 
 
+def nvtx_calls(batches, slot_counts, methods, device, warmups: int = 3) -> None:
+    """One call of each method at each point inside the NVTX range `profile` (the method's name and the
+    point in a range nested in it), after `warmups` calls outside it, for a profiler that records
+    that range alone (`ncu --nvtx --nvtx-include profile/`; Nsight Compute flushes the caches
+    before each kernel it profiles, so each kernel reads its inputs from memory there)."""
+    for batch, slots in itertools.product(batches, slot_counts):
+        q, k, v, valid = make_cache(batch, slots, device)
+        for method in methods:
+            call, _ = method_calls(method, q, k, v, valid)
+            for _ in range(warmups):
+                call()
+            torch.cuda.synchronize()
+            with torch.cuda.nvtx.range("profile"), torch.cuda.nvtx.range(f"{method} {batch}x{slots}"):
+                call()
+                torch.cuda.synchronize()
+            print(f"{method} at batch {batch}, {slots} slots: one call in the NVTX range 'profile'", flush=True)
+        torch.cuda.empty_cache()
+
+
 def print_table(rows: list[dict]) -> None:
     methods = list(dict.fromkeys(row["method"] for row in rows))
     points = list(dict.fromkeys((row["batch"], row["slots"]) for row in rows))
@@ -447,6 +468,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true", help="time launch-config variants instead")
     parser.add_argument("--sweep-step", action="store_true",
                         help="time launch-config variants of vanilla's one-launch step against its three launches")
+    parser.add_argument("--nvtx", action="store_true",
+                        help="time nothing: one call of each method in the NVTX range 'profile', for ncu")
     parser.add_argument("--replot", type=Path, metavar="CSV",
                         help="redraw the figure (next to the CSV) and the table from a fig1.csv; no GPU needed")
     args = parser.parse_args(argv)
@@ -460,6 +483,9 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda")
     if args.quick:
         args.batches, args.slots = [1, 128], [3200]
+    if args.nvtx:
+        nvtx_calls(args.batches, args.slots, args.methods, device)
+        return
     if args.sweep or args.sweep_step:
         (step_sweep if args.sweep_step else sweep)(device, list(itertools.product(args.batches, args.slots)))
         return
