@@ -285,7 +285,12 @@ def run_grid(batches, slot_counts, methods, device) -> list[dict]:
     print(f"copy bandwidth: {bandwidth / 1e12:.2f} TB/s (read + write, {torch.cuda.get_device_name(device)})")
     rows = []
     for batch, slots in itertools.product(batches, slot_counts):
-        rows += measure_point(batch, slots, methods, bandwidth, device)
+        point = measure_point(batch, slots, methods, bandwidth, device)
+        rows += point
+        # the grid takes minutes: each point's times as it comes, kept if the run stops before the table
+        times = [f"{row['method']} {row['ms']:.4f} ms" + (f" ({row['x_sdpa']:.3f}x)" if row["x_sdpa"] else "")
+                 for row in point]
+        print(f"batch {batch}, {slots} slots: " + ", ".join(times), flush=True)
         torch.cuda.empty_cache()
     return rows
 
