@@ -3,6 +3,7 @@ vanilla's two step forms (in Triton's interpreter) attending as the softmax over
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -109,13 +110,12 @@ def test_nvtx_puts_one_call_of_each_method_in_the_profile_range(monkeypatch):
     """`--nvtx`: the warm-up calls run outside any NVTX range and exactly one call of each method at each
     point inside `profile`, under a nested range naming the method and the point (what `ncu
     --nvtx-include profile/` records)."""
-    import contextlib
-
     monkeypatch.setattr(bench_attention, "Q_HEADS", 4)
     monkeypatch.setattr(bench_attention, "KV_HEADS", 2)
     monkeypatch.setattr(bench_attention, "HEAD_DIM", 16)
     monkeypatch.setattr(bench_attention, "DTYPE", torch.float32)
     stack, seen = [], []
+    real_method_calls = bench_attention.method_calls
 
     @contextlib.contextmanager
     def nvtx_range(name):
@@ -131,7 +131,6 @@ def test_nvtx_puts_one_call_of_each_method_in_the_profile_range(monkeypatch):
             return call()
         return recorded, backend
 
-    real_method_calls = bench_attention.method_calls
     monkeypatch.setattr(bench_attention, "method_calls", recording)
     monkeypatch.setattr(torch.cuda.nvtx, "range", nvtx_range)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
