@@ -86,26 +86,6 @@ def test_vanilla_steps_write_the_last_slot_and_attend_over_the_cache(monkeypatch
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="small shapes for Triton's interpreter")
-def test_the_warp_split_methods_give_the_plain_kernels_outputs(monkeypatch):
-    """`WARP_SPLIT`'s methods run the kernels with the warp-split loop and give what the plain loop
-    gives: the output, and the fused call's next slot."""
-    monkeypatch.setattr(bench_attention, "Q_HEADS", 8)
-    monkeypatch.setattr(bench_attention, "KV_HEADS", 2)
-    monkeypatch.setattr(bench_attention, "HEAD_DIM", 16)
-    monkeypatch.setattr(bench_attention, "DTYPE", torch.float32)
-    q, k, v, valid = bench_attention.make_cache(2, 300, torch.device("cpu"))
-    assert bench_attention.warp_split_config(q, k).warp_split
-    for method in bench_attention.WARP_SPLIT:
-        plain, _ = bench_attention.method_calls(method.removesuffix("_warp_split"), q, k, v, valid)
-        split, backend = bench_attention.method_calls(method, q, k, v, valid)
-        assert backend == "triton"
-        want, got = plain(), split()
-        for a, b in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,),
-                        strict=True):
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="small shapes for Triton's interpreter")
 def test_nvtx_puts_one_call_of_each_method_in_the_profile_range(monkeypatch):
     """`--nvtx`: the warm-up calls run outside any NVTX range and exactly one call of each method at each
     point inside `profile`, under a nested range naming the method and the point (what `ncu

@@ -57,7 +57,6 @@ CONFIGS = {
     "one_split": LaunchConfig(block_n=16, splits=1),
     "five_splits": LaunchConfig(block_n=16, splits=5),
     "mask_not_prefetched": LaunchConfig(block_n=32, splits=2, prefetch=False),
-    "warp_split": LaunchConfig(block_n=64, splits=2, warp_split=True),
 }
 
 

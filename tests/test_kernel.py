@@ -112,11 +112,6 @@ CONFIGS = [
     LaunchConfig(block_n=16, splits=3, score_splits=3, block_s=64, scratch="fp16"),
     LaunchConfig(block_n=64, splits=2, score_splits=2, block_s=16, scratch="fp16"),
     LaunchConfig(block_n=32, splits=3, score_splits=1, block_s=32, vnorm="reduce", prefetch=False),
-    LaunchConfig(block_n=64, splits=3, score_splits=2, block_s=32, warp_split=True),
-    LaunchConfig(block_n=64, splits=1, score_splits=1, block_s=64, num_warps=2, warp_split=True, vnorm="reduce",
-                 prefetch=False),
-    LaunchConfig(block_n=64, splits=3, score_splits=2, block_s=16, warp_split=True, scratch="fp16"),
-    LaunchConfig(block_n=64, splits=2, score_splits=3, block_s=64, num_warps=2, warp_split=True, scratch="fp16"),
 ]
 
 
@@ -126,8 +121,7 @@ def rtol_for(config: LaunchConfig) -> float:
 
 
 def config_id(config: LaunchConfig) -> str:
-    warps = f"-warp_split{config.num_warps}" if config.warp_split else ""
-    return f"n{config.block_n}-s{config.splits}x{config.score_splits}-{config.scratch}-{config.vnorm}{warps}"
+    return f"n{config.block_n}-s{config.splits}x{config.score_splits}-{config.scratch}-{config.vnorm}"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
@@ -164,21 +158,6 @@ def test_strided_views_and_protect():
     out, next_slot = longflow_attention(q, k, v, valid, protect=protect)
     check(q, k, v, valid, out, next_slot, protect=protect)
     assert int(next_slot[1]) == 10
-
-
-@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(6, 2, 80), (2, 2, 128)], ids=["g3-d80", "g1-d128"])
-def test_warp_split_with_padded_heads_and_dims(q_heads, kv_heads, head_dim):
-    """Three query heads a group (padded to 16 rows) and a head dim of 80 (padded to 128), or one head
-    a group: the warp-split loop's masks, against the float32 reference."""
-    q, k, v, valid = make_inputs(3, q_heads, kv_heads, 170, head_dim, torch.bfloat16, "padding", seed=head_dim)
-    config = LaunchConfig(block_n=64, splits=2, score_splits=2, block_s=32, warp_split=True)
-    out, next_slot = longflow_attention(q, k, v, valid, config=config)
-    check(q, k, v, valid, out, next_slot)
-
-
-def test_warp_split_needs_16_slots_a_warp():
-    with pytest.raises(ValueError, match="block_n must be >= 128"):
-        LaunchConfig(block_n=64, num_warps=8, warp_split=True)
 
 
 def test_rejects_bad_inputs():

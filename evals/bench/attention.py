@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import dataclasses
 import itertools
 import math
 import statistics
@@ -59,8 +58,6 @@ DTYPE = torch.bfloat16
 METHODS = ("sdpa", "sdpa_packed", "sdpa_cudnn", "h2o", "longflow_fused", "longflow_reference", "flash_decode")
 KERNELS = ("longflow_fused", "flash_decode")  # the project's kernels, each shown as a ratio to the best SDPA
 STEPS = ("vanilla_step", "vanilla_step_one_launch")  # timed on request only
-# The kernels with the warp-split loop (`LaunchConfig.warp_split`, off by default), on request only.
-WARP_SPLIT = ("longflow_fused_warp_split", "flash_decode_warp_split")
 FIGURE_POINT = (128, 3200)  # the paper's Figure 1: batch 128, 3200 slots
 ROTATION_BYTES = 192 * 2**20  # input sets per timing hold at least this much (H200 L2: 60 MB)
 REPLAYS = 30
@@ -238,27 +235,16 @@ def method_calls(method: str, q, k, v, valid):
     scale = HEAD_DIM**-0.5
     if method.startswith("sdpa"):
         return sdpa_call(q, k, v, packed=method != "sdpa", backend="cudnn" if method == "sdpa_cudnn" else "flash")
-    config = warp_split_config(q, k) if method in WARP_SPLIT else None
-    if method.startswith("flash_decode"):
+    if method == "flash_decode":
         filled = torch.full((q.shape[0],), k.shape[2], dtype=torch.int32, device=q.device)
-        return (lambda: flash_decode(q, k, v, valid, filled, scale, config=config)), "triton"
+        return (lambda: flash_decode(q, k, v, valid, filled, scale)), "triton"
     if method in STEPS:
         return vanilla_step_call(q, k, v, valid, one_launch=method == "vanilla_step_one_launch"), "triton"
     if method == "h2o":
         return h2o_call(q, k, v, valid), "torch"
-    if method.startswith("longflow_fused"):
-        return (lambda: longflow_attention(q, k, v, valid, scale, config=config)), "triton"
+    if method == "longflow_fused":
+        return (lambda: longflow_attention(q, k, v, valid, scale)), "triton"
     return (lambda: reference(q, k, v, valid, scale)), "torch"
-
-
-def warp_split_config(q, k):
-    """The kernels' heuristic configuration at this shape, with the warp-split loop."""
-    from longflow.kernels.longflow_attention import _l2_bytes, _multiprocessors, default_config
-
-    batch, q_heads, head_dim = q.shape
-    config = default_config(batch, k.shape[1], q_heads, k.shape[2], head_dim, _multiprocessors(q.device),
-                            _l2_bytes(q.device))
-    return dataclasses.replace(config, warp_split=True)
 
 
 def measure_point(batch: int, slots: int, methods, bandwidth: float, device: torch.device) -> list[dict]:
@@ -467,7 +453,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 128])
     parser.add_argument("--slots", type=int, nargs="+", default=[1024, 3200, 8192])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + STEPS + WARP_SPLIT)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS + STEPS)
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help="batches 1 and 128 at 3200 slots only")
     parser.add_argument("--sweep", action="store_true", help="time launch-config variants instead")

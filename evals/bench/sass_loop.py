@@ -3,8 +3,8 @@
     python -m evals.bench.sass_loop                       # batch 128, 3200 slots (Figure 1's point)
     python -m evals.bench.sass_loop --batch 16 --slots 8192
 
-For each way the attention pass runs (LongFlow's fused call, H2O's bare-logit pass, `flash_decode`;
-each with the plain loop and with `LaunchConfig.warp_split`), at the kernels' heuristic configuration
+For each way the attention pass runs (LongFlow's fused call, H2O's bare-logit pass, `flash_decode`),
+at the kernels' heuristic configuration
 for the shape (Qwen3-8B heads, bf16): the registers and shared memory of a program, how many programs
 fit a multiprocessor by each (the fewer decides), and the instructions of one iteration of the loop
 over K/V tiles by kind: the tensor-core products (HMMA), barriers (BAR), shared-memory traffic (LDS,
@@ -66,7 +66,7 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> dict[str, int]:
             "warps": WARPS_PER_SM // warps}
 
 
-def attention_calls(batch: int, slots: int, warp_split: bool):
+def attention_calls(batch: int, slots: int):
     """(name, zero-argument host call) of each attention pass at this shape."""
     from evals.bench.aot import L2_BYTES, SMS  # first: the kernels defined for the compiler
     from longflow.kernels import flash_decode, longflow_attention, scored_attention
@@ -79,8 +79,6 @@ def attention_calls(batch: int, slots: int, warp_split: bool):
     received = torch.zeros(batch, KV_HEADS, slots)
     lengths = torch.full((batch,), slots, dtype=torch.int32)
     config = default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, SMS, L2_BYTES)
-    if warp_split:
-        config = dataclasses.replace(config, warp_split=True)
     return [("LongFlow", lambda: longflow_attention(q, k, v, valid[:, 0], config=config)),
             ("H2O", lambda: scored_attention(q, k, v, valid, next_slot, score="accumulated", per_kv_head=True,
                                              received=received, config=config)),
@@ -93,16 +91,15 @@ def describe(batch: int, slots: int) -> list[dict]:
     from evals.bench.aot import compile_launch, cuobjdump, record_launches
 
     rows = []
-    for warp_split in (False, True):
-        for name, call in attention_calls(batch, slots, warp_split):
-            kernel, arguments, options = record_launches(call)[0]  # the attention pass is the first launch
-            compiled = compile_launch(kernel, arguments, options)
-            usage = re.search(r"REG:(\d+)", cuobjdump(compiled, "-res-usage"))
-            registers, shared = int(usage.group(1)), compiled.metadata.shared
-            loop = main_loop(cuobjdump(compiled, "-sass"))
-            rows.append(dict(name=name, loop="warp-split" if warp_split else "plain", registers=registers,
-                             shared=shared, warps=options["num_warps"], stages=options["num_stages"],
-                             programs=programs_per_sm(registers, shared, options["num_warps"]), body=loop))
+    for name, call in attention_calls(batch, slots):
+        kernel, arguments, options = record_launches(call)[0]  # the attention pass is the first launch
+        compiled = compile_launch(kernel, arguments, options)
+        usage = re.search(r"REG:(\d+)", cuobjdump(compiled, "-res-usage"))
+        registers, shared = int(usage.group(1)), compiled.metadata.shared
+        loop = main_loop(cuobjdump(compiled, "-sass"))
+        warps = options["num_warps"]
+        rows.append(dict(name=name, registers=registers, shared=shared, warps=warps, stages=options["num_stages"],
+                         programs=programs_per_sm(registers, shared, warps), body=loop))
     return rows
 
 
@@ -110,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--slots", type=int, default=3200)
-    parser.add_argument("--json", action="store_true", help="one JSON object per pass and loop instead of the table")
+    parser.add_argument("--json", action="store_true", help="one JSON object per pass instead of the table")
     args = parser.parse_args(argv)
     import triton
 
@@ -121,12 +118,12 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"batch {args.batch}, {args.slots} slots, sm_90, Triton {triton.__version__}: one iteration of the "
           f"attention pass's loop over K/V tiles")
-    header = f"{'pass':<13}{'loop':<11}{'regs':>5}{'shared':>8}{'programs/SM':>13}{'instr':>7}"
+    header = f"{'pass':<13}{'regs':>5}{'shared':>8}{'programs/SM':>13}{'instr':>7}"
     print(header + "".join(f"{kind:>7}" for kind in KINDS) + "  MUFU by function")
     for row in describe(args.batch, args.slots):
         programs = row["programs"]
         fit = f"{min(programs.values())} ({programs['registers']}r {programs['shared']}s)"
-        line = (f"{row['name']:<13}{row['loop']:<11}{row['registers']:>5}{row['shared']:>8}{fit:>13}"
+        line = (f"{row['name']:<13}{row['registers']:>5}{row['shared']:>8}{fit:>13}"
                 f"{row['body'].instructions:>7}" + "".join(f"{row['body'].kinds[kind]:>7}" for kind in KINDS))
         print(line + "  " + " ".join(f"{fn} {n}" for fn, n in sorted(row["body"].mufu.items())), flush=True)
 

@@ -26,18 +26,12 @@ ahead) whose only switch is what it writes per tile besides the output (`STORE`)
   7: as 1, through a tensor descriptor: one bulk (TMA) store of the tile from shared memory, issued
      asynchronously, where `tl.store` has every thread store its elements; the descriptor's
      `[B * Hkv, G, S]` bounds clip the padding heads and the slots past the last;
-and whether K and V come through tensor descriptors (TMA) instead of pointer loads. A second loop,
-`_warp_split_kernel` (stores 0 and 1, pointer loads), is the kernel's `LaunchConfig.warp_split` loop:
-each warp takes its own share of every tile and keeps its own softmax state, so that no warp waits
-for another inside the loop (the kernel's plain loop exchanges the row statistics and the
-probabilities between its warps through shared memory in every iteration).
-Each variant is
+and whether K and V come through tensor descriptors (TMA) instead of pointer loads. Each variant is
 timed in CUDA graphs over input sets that overflow L2 (`evals.bench.attention`'s timing), next to
 cuDNN SDPA and `flash_decode` in the same process. Needs a CUDA GPU.
 
     python -m evals.bench.scratch_store --fold   # store 6 against the fused call and cuDNN, in turns
     python -m evals.bench.scratch_store --stores 0 1 7   # only these store modes' variants
-    python -m evals.bench.scratch_store --loops split --stores 0 1   # the warp-split loop's
 """
 
 from __future__ import annotations
@@ -64,19 +58,15 @@ from evals.bench.attention import (  # noqa: E402
     interleaved_ms,
     method_calls,
 )
-from longflow.kernels.longflow_attention import LOG2E, _warp_split_loop  # noqa: E402
-from longflow.kernels.precision import ieee_products  # noqa: E402
+from longflow.kernels.longflow_attention import LOG2E  # noqa: E402
 from longflow.kernels.reductions import reduce_max, reduce_min, reduce_sum  # noqa: E402
 
 GROUP_PAD = 16  # a KV head's query heads, padded to the rows of a tensor-core tile
-# (slots per tile, TMA loads, pipeline stages, warps, warp-split loop, store mode): the kernel's own
-# setting first.
-VARIANTS = ([(64, False, 4, 4, False, store) for store in range(5)]
-            + [(64, True, 4, 4, False, 0), (64, True, 4, 4, False, 1), (128, False, 3, 4, False, 1),
-               (128, False, 3, 4, False, 3), (64, False, 4, 4, False, 5), (128, False, 3, 4, False, 5),
-               (64, False, 4, 4, False, 7), (64, True, 4, 4, False, 7)]
-            + [(64, False, 4, 4, True, store) for store in (0, 1)]
-            + [(64, False, 3, 4, True, 1), (128, False, 3, 4, True, 1), (128, False, 3, 8, True, 1)])
+# (slots per tile, TMA loads, pipeline stages, warps, store mode): the kernel's own setting first.
+VARIANTS = [(64, False, 4, 4, store) for store in range(5)] + [(64, True, 4, 4, 0), (64, True, 4, 4, 1),
+                                                                (128, False, 3, 4, 1), (128, False, 3, 4, 3),
+                                                                (64, False, 4, 4, 5), (128, False, 3, 4, 5),
+                                                                (64, False, 4, 4, 7), (64, True, 4, 4, 7)]
 
 
 @triton.jit
@@ -166,34 +156,6 @@ def _pass_kernel(Q, K, V, K_DESC, V_DESC, SCRATCH_DESC, VALID, OUT, SCRATCH, PAR
 
 
 @triton.jit
-def _warp_split_kernel(Q, K, V, VALID, OUT, SCRATCH, slots, qk_scale, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
-                       GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
-                       FP32_DOT: tl.constexpr, STORE: tl.constexpr):
-    """The kernel's own warp-split loop (`longflow.kernels.longflow_attention._warp_split_loop`, as
-    `LaunchConfig.warp_split` runs it) in this study's setting, one program per (row, KV head): each
-    warp on its own `BLOCK_N / WARPS` slots of every tile with its own softmax state, where
-    `_pass_kernel` exchanges the row statistics and the probabilities between its warps in every
-    iteration. Stores 0 and 1 (the bare logits, as the kernel's H2O and TOVA passes write them)."""
-    pid = tl.program_id(0)
-    b = pid // KV_HEADS
-    kv_head = pid % KV_HEADS
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    g_ok = offs_g < GROUP
-    rows = b * (KV_HEADS * GROUP) + kv_head * GROUP + offs_g
-    q = tl.load(Q + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=g_ok[:, None], other=0.0)
-    head = b.to(tl.int64) * KV_HEADS + kv_head
-    m, l, acc = _warp_split_loop(
-        q, K + head * slots * HEAD_DIM, V + head * slots * HEAD_DIM, VALID + b.to(tl.int64) * slots, SCRATCH,
-        SCRATCH, rows.to(tl.int64), tl.full([GROUP_PAD], float("-inf"), tl.float32),
-        tl.full([GROUP_PAD], 0.0, tl.float32), tl.full([GROUP_PAD, HEAD_DIM], 0.0, tl.float32), 0, slots, slots, 1,
-        qk_scale, HEAD_DIM, 1, HEAD_DIM, 1, 1, GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM, BLOCK_N, WARPS, FP32_DOT,
-        True, True, "evict_first", "", STORE == 1, False, False)
-    out = acc / tl.where(l > 0, l, 1.0)[:, None]
-    tl.store(OUT + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=g_ok[:, None])
-
-
-@triton.jit
 def _row_argmin_kernel(PARTIAL, VALID, NEXT_SLOT, slots, KV_HEADS: tl.constexpr, BLOCK_N: tl.constexpr):
     """One program per row: the LongFlow score of every slot (the sum of the row's Hkv partials),
     and the slot to overwrite, the first free one if any, else the lowest score (earliest on ties):
@@ -217,13 +179,10 @@ def _row_argmin_kernel(PARTIAL, VALID, NEXT_SLOT, slots, KV_HEADS: tl.constexpr,
     tl.store(NEXT_SLOT + b, reduce_min(tl.where(best_key == key_min, best_idx, 2147483647), 0).to(tl.int64))
 
 
-def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, store: int,
-              split_warps: bool = False):
+def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, store: int):
     """The pass over q `[B, Hq, D]`, contiguous k, v `[B, Hkv, S, D]` and valid `[B, S]`, as a
     zero-argument call returning out `[B, Hq, D]`; its scratch, allocated once, is the call's
-    `scratch` attribute. `split_warps`: `_warp_split_kernel`'s loop (stores 0 and 1, pointer loads)."""
-    if split_warps and (store not in (0, 1) or tma):
-        raise ValueError(f"the warp-split loop has stores 0 and 1 and pointer loads, not store {store}, TMA {tma}")
+    `scratch` attribute."""
     batch, q_heads, head_dim = q.shape
     _, kv_heads, slots, _ = k.shape
     out = torch.empty_like(q)
@@ -237,12 +196,6 @@ def pass_call(q, k, v, valid, block_n: int, tma: bool, stages: int, warps: int, 
     v_desc = TensorDescriptor.from_tensor(v, [1, 1, block_n, head_dim])
 
     def run():
-        if split_warps:
-            _warp_split_kernel[(batch * kv_heads,)](
-                q, k, v, valid, out, scratch, slots, head_dim**-0.5 * LOG2E, KV_HEADS=kv_heads,
-                GROUP=q_heads // kv_heads, GROUP_PAD=GROUP_PAD, HEAD_DIM=head_dim, BLOCK_N=block_n, WARPS=warps,
-                FP32_DOT=ieee_products(q.dtype), STORE=store, num_warps=warps, num_stages=stages)
-            return out
         _pass_kernel[(batch * kv_heads,)](
             q, k, v, k_desc, v_desc, scratch_desc, valid, out, scratch, partial, slots, head_dim**-0.5 * LOG2E,
             KV_HEADS=kv_heads, GROUP=q_heads // kv_heads, GROUP_PAD=GROUP_PAD, HEAD_DIM=head_dim, BLOCK_N=block_n,
@@ -265,8 +218,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slots", type=int, nargs="+", default=[3200, 8192])
     parser.add_argument("--stores", type=int, nargs="+", default=sorted({v[-1] for v in VARIANTS}),
                         help="the store modes whose variants are timed (without --fold)")
-    parser.add_argument("--loops", nargs="+", choices=["kernel", "split"], default=["kernel", "split"],
-                        help="the kernel's loop (`_pass_kernel`), the warp-split loop (`_warp_split_kernel`)")
     args = parser.parse_args(argv)
     unknown = set(args.stores) - {variant[-1] for variant in VARIANTS}
     if unknown:
@@ -281,9 +232,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.fold:
                 fold_point(sets, batch, slots, floor)
             else:
-                loops = {"kernel": False, "split": True}
-                chosen = [v for v in VARIANTS if v[-1] in args.stores and v[4] in {loops[n] for n in args.loops}]
-                store_point(sets, batch, slots, floor, chosen)
+                store_point(sets, batch, slots, floor, [v for v in VARIANTS if v[-1] in args.stores])
             del sets
             torch.cuda.empty_cache()
 
@@ -316,25 +265,23 @@ def fold_point(sets, batch: int, slots: int, floor: float) -> None:
 
 def store_point(sets, batch: int, slots: int, floor: float, variants: list[tuple]) -> None:
     """The `variants`' passes (of `VARIANTS`), timed after cuDNN and `flash_decode` in the same process;
-    stores 5 and 7 and the warp-split loop's checked against store 1's scratch where a store 1 variant of the
-    kernel's loop with their tile ran first."""
+    stores 5 and 7 checked against store 1's scratch where a store 1 variant of their tile ran first."""
     cudnn = graph_ms([method_calls("sdpa_cudnn", *s)[0] for s in sets])
     plain = graph_ms([method_calls("flash_decode", *s)[0] for s in sets])
     print(f"batch {batch}, {slots} slots: floor {floor:.4f} ms, cuDNN {cudnn:.4f} ms, "
           f"flash_decode {plain:.4f} ms ({plain / cudnn:.3f}x cuDNN)", flush=True)
     want = method_calls("flash_decode", *sets[0])[0]().float()
     plain_scratch = {}  # tile -> the first set's scratch by `tl.store` (store 1), which store 5 must match
-    for block_n, tma, stages, warps, split, store in variants:
-        calls = [pass_call(*s, block_n, tma, stages, warps, store, split) for s in sets]
+    for block_n, tma, stages, warps, store in variants:
+        calls = [pass_call(*s, block_n, tma, stages, warps, store) for s in sets]
         ms = graph_ms(calls)
         error = (calls[0]().float() - want).abs().max().item()
-        if store == 1 and not split:
+        if store == 1:
             plain_scratch[block_n] = calls[0].scratch
-        elif (store in (5, 7) or split) and store != 0 and block_n in plain_scratch:
+        elif store in (5, 7) and block_n in plain_scratch:
             written = plain_scratch[block_n].isfinite()
             error = max(error, (calls[0].scratch[written] - plain_scratch[block_n][written]).abs().max().item())
-        loop = "warp-split" if split else "kernel's"
-        print(f"  {loop:>10} loop, tile {block_n:>3}, TMA {tma!s:>5}, {stages} stages, {warps} warps, store {store}: "
+        print(f"  tile {block_n:>3}, TMA {tma!s:>5}, {stages} stages, {warps} warps, store {store}: "
               f"{ms:.4f} ms, {ms / cudnn:.3f}x cuDNN, {ms / floor:.3f}x floor (max error {error:.1e})",
               flush=True)
 

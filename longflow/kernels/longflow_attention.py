@@ -22,9 +22,7 @@ cost as much. The work is split in two launches (no memset, no host sync):
    on the scores, below the bf16 rounding of the logits' inputs; `default_config` picks it where
    the fp32 scratch overflows its share of L2 at small batch (NOTES.md). ||v_j||_1 is computed on
    the tensor cores as `ones @ |v|^T`, which lands in the logits' layout: a reduction over D cost
-   20-30% more time. `LaunchConfig.warp_split` (off by default, not yet timed) gives each warp its
-   own share of every tile and its own softmax state (`_warp_split_loop`), so that the warps do not
-   exchange statistics through shared memory in every iteration.
+   20-30% more time.
 2. `_score_kernel`, grid `(B, score_splits)`: combines the (m, l) partials into the final softmax
    statistics of every query head, combines the partial outputs (its share of heads), then scores
    its slot range and reduces the argmin with free slots first (key -1) and protected slots last
@@ -75,53 +73,43 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 @triton.jit
 def _tile_masks(valid_row, slots, hi, ok_next, d_ok, stride_valid_s, BLOCK_N: tl.constexpr,
                 PREFETCH: tl.constexpr, PADDED_DIM: tl.constexpr):
-    """(in range, valid, the next tile's validity bytes, the K/V loads' mask `[..., N, D]`) of a tile's
-    `slots`, one row's (1D) or every warp's (2D). With PREFETCH the validity is loaded one tile ahead
-    (a byte per slot is below the 4 bytes of an asynchronous copy, so the compiler does not pipeline
-    it, and an in-loop load would stall every iteration for a full memory latency); `ok_next` is the
-    prefetched tile's (ignored without PREFETCH)."""
+    """(in range, valid, the next tile's validity bytes, the K/V loads' mask `[N, D]`) of a tile's
+    `slots`. With PREFETCH the validity is loaded one tile ahead (a byte per slot is below the 4
+    bytes of an asynchronous copy, so the compiler does not pipeline it, and an in-loop load would
+    stall every iteration for a full memory latency); `ok_next` is the prefetched tile's (ignored
+    without PREFETCH)."""
     s_ok = slots < hi
     if PREFETCH:
         ok = ok_next != 0
         ok_next = tl.load(valid_row + (slots + BLOCK_N) * stride_valid_s, mask=(slots + BLOCK_N) < hi, other=0)
     else:
         ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0) != 0
-    kv_mask = tl.expand_dims(s_ok, len(slots.shape))
+    kv_mask = s_ok[:, None]
     if PADDED_DIM:
         kv_mask = kv_mask & d_ok
     return s_ok, ok, ok_next, kv_mask
 
-@triton.jit
-def _last_two_swapped(x):
-    """`[..., N, D]` -> `[..., D, N]`, for a tile of one row (2D) or of every warp (3D)."""
-    if len(x.shape) == 3:
-        return tl.trans(x, 0, 2, 1)
-    else:
-        return tl.trans(x)
-
 
 @triton.jit
 def _attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr):
-    """One tile of the online softmax, for the plain loop (q `[G_PAD, D]`, k and v `[N, D]`, ok `[N]`)
-    and the warp-split one (a leading `[WARPS]` on each): the logits in base 2 (exp2(x * log2 e) =
-    exp(x)), masked, and the running (m, l, acc) updated; `m_use` stays finite so that fully masked
-    tiles give 0, never NaN. Returns (logits, m_use, m, l, acc)."""
-    LAST: tl.constexpr = len(q.shape) - 1
+    """One tile of the online softmax (q `[G_PAD, D]`, k and v `[N, D]`, ok `[N]`): the logits in base
+    2 (exp2(x * log2 e) = exp(x)), masked, and the running (m, l, acc) updated; `m_use` stays finite
+    so that fully masked tiles give 0, never NaN. Returns (logits, m_use, m, l, acc)."""
     if FP32_DOT:
-        s = tl.dot(q.to(tl.float32), _last_two_swapped(k.to(tl.float32)), input_precision="ieee")
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
-        s = tl.dot(q, _last_two_swapped(k))
-    s = tl.where(tl.expand_dims(ok, LAST - 1), s * qk_scale, float("-inf"))  # [..., G_PAD, N]
-    m_new = tl.maximum(m_i, reduce_max(s, LAST))
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(ok[None, :], s * qk_scale, float("-inf"))  # [G_PAD, N]
+    m_new = tl.maximum(m_i, reduce_max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - tl.expand_dims(m_use, LAST))
-    l_i = l_i * alpha + reduce_sum(p, LAST)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + reduce_sum(p, 1)
     if FP32_DOT:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * tl.expand_dims(alpha, LAST) + pv
+    acc = acc * alpha[:, None] + pv
     return s, m_use, m_new, l_i, acc
 
 
@@ -129,8 +117,8 @@ def _attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr):
 def _write_scratch(t_ptrs, t_mask, tref_ptrs, tref_mask, s, m_use, q, v, VNORM: tl.constexpr,
                    VNORM_MMA: tl.constexpr, FP32_DOT: tl.constexpr, SCRATCH_FP16: tl.constexpr,
                    T_EVICT: tl.constexpr):
-    """A tile's score scratch, as `_attend_tile` left it (either loop's shapes): t = logit (+ log2
-    ||v||_1 for LongFlow's score, VNORM), so that p (* ||v||_1) = exp2(t - m) / l later; in fp16,
+    """A tile's score scratch, as `_attend_tile` left it: t = logit (+ log2 ||v||_1 for LongFlow's
+    score, VNORM), so that p (* ||v||_1) = exp2(t - m) / l later; in fp16,
     relative to the running max `m_use`, which goes to the tile's reference (`tref_ptrs`).
     ||v_j||_1 comes from the tensor cores, ones @ |v|^T with `ones` shaped as q, already in the layout
     of the logits (every row equal): a reduction over D would need shuffles and a layout conversion.
@@ -138,83 +126,26 @@ def _write_scratch(t_ptrs, t_mask, tref_ptrs, tref_mask, s, m_use, q, v, VNORM: 
     16-bit inputs its log2 is the multi-function unit's approximation (`log2_approx`): libdevice's
     accurate one was a third of the loop's instructions. Float32 inputs keep it, so that their scores
     stay within rounding of the eager path's."""
-    LAST: tl.constexpr = len(s.shape) - 1
     if not VNORM:
         log_vnorm = 0.0
     elif not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
-        vnorm = reduce_sum(tl.abs(v.to(tl.float32)), LAST)
-        log_vnorm = tl.log2(tl.maximum(tl.expand_dims(vnorm, LAST - 1), 1e-30))  # [..., 1, N]
+        vnorm = reduce_sum(tl.abs(v.to(tl.float32)), 1)
+        log_vnorm = tl.log2(tl.maximum(vnorm[None, :], 1e-30))  # [1, N]
     elif FP32_DOT:
         ones = tl.full(q.shape, 1.0, tl.float32)
-        vnorm = tl.dot(ones, _last_two_swapped(tl.abs(v.to(tl.float32))), input_precision="ieee")
-        log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [..., G_PAD, N], rows equal
+        vnorm = tl.dot(ones, tl.trans(tl.abs(v.to(tl.float32))), input_precision="ieee")
+        log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, N], rows equal
     else:
         ones = tl.full(q.shape, 1.0, v.dtype)
-        vnorm = tl.dot(ones, _last_two_swapped(tl.abs(v)))
-        log_vnorm = log2_approx(tl.maximum(vnorm, 1e-30))  # [..., G_PAD, N], rows equal
+        vnorm = tl.dot(ones, tl.trans(tl.abs(v)))
+        log_vnorm = log2_approx(tl.maximum(vnorm, 1e-30))  # [G_PAD, N], rows equal
     if SCRATCH_FP16:
         # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
-        u = s - tl.expand_dims(m_use, LAST) + log_vnorm
+        u = s - m_use[:, None] + log_vnorm
         tl.store(t_ptrs, u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
         tl.store(tref_ptrs, m_use, mask=tref_mask)
     else:
         tl.store(t_ptrs, s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
-
-
-@triton.jit
-def _warp_split_loop(q, K_HEAD, V_HEAD, valid_row, T, TREF, rows, m0, l0, acc0, lo, hi, n_slots, n_tiles, qk_scale,
-                     stride_ks, stride_kd, stride_vs, stride_vd, stride_valid_s,
-                     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, WARPS: tl.constexpr,
-                     FP32_DOT: tl.constexpr, PREFETCH: tl.constexpr, VNORM_MMA: tl.constexpr,
-                     KV_EVICT: tl.constexpr, T_EVICT: tl.constexpr, SCORE: tl.constexpr, VNORM: tl.constexpr,
-                     SCRATCH_FP16: tl.constexpr):
-    """The attention pass's loop over slots [lo, hi) with each warp on its own `BLOCK_N / WARPS` slots
-    of every tile (`LaunchConfig.warp_split`): the products are batched `[WARPS, G_PAD, D] x
-    [WARPS, D, SUB]`, a batch a warp, and each warp keeps its own softmax state, so that no warp waits
-    for another inside the loop (the plain loop splits a tile's slots over the warps too, but combines
-    the row maxima and sums and hands the probabilities to the second product through shared memory
-    in every iteration). The warps' states and the state (m0, l0, acc0) it starts from are combined
-    once at the end. Writes the scratch (`T`, rows `rows`) when SCORE, in fp16 relative to the running
-    max of each warp's `BLOCK_N / WARPS` slots (`TREF`, `n_tiles` of them a row: the score pass's
-    sub-tiles are that size); returns (m, l, acc), `[G_PAD]`, `[G_PAD]`, `[G_PAD, D_PAD]`, as the plain
-    loop leaves them."""
-    SUB: tl.constexpr = BLOCK_N // WARPS
-    tl.static_assert(SUB >= 16, "each warp's share of a tile is the second product's k: at least 16 slots")
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    sub = tl.arange(0, WARPS)[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [WARPS, SUB] slots of a tile
-    g_ok = tl.arange(0, GROUP_PAD) < GROUP
-    d_ok = offs_d < HEAD_DIM
-    q3 = tl.broadcast_to(q[None, :, :], (WARPS, GROUP_PAD, HEAD_DIM_PAD))
-    k_cols = K_HEAD + offs_d[None, None, :] * stride_kd
-    v_cols = V_HEAD + offs_d[None, None, :] * stride_vd
-    t_rows = T + rows[None, :, None] * n_slots  # [1, G_PAD, 1]
-    m_i = tl.full([WARPS, GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.full([WARPS, GROUP_PAD], 0.0, tl.float32)
-    acc = tl.full([WARPS, GROUP_PAD, HEAD_DIM_PAD], 0.0, tl.float32)
-    ok_next = tl.load(valid_row + (lo + sub) * stride_valid_s, mask=(lo + sub) < hi, other=0)
-    for start in range(lo, hi, BLOCK_N):
-        slots = start + sub
-        s_ok, ok, ok_next, kv_mask = _tile_masks(valid_row, slots, hi, ok_next, d_ok, stride_valid_s, BLOCK_N,
-                                                 PREFETCH, HEAD_DIM != HEAD_DIM_PAD)
-        k = tl.load(k_cols + slots[:, :, None] * stride_ks, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-        v = tl.load(v_cols + slots[:, :, None] * stride_vs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-        s, m_use, m_i, l_i, acc = _attend_tile(q3, k, v, ok, m_i, l_i, acc, qk_scale, FP32_DOT)
-        if SCORE:
-            first = start + tl.arange(0, WARPS) * SUB  # each warp's first slot of the tile: its reference's
-            _write_scratch(t_rows + slots[:, None, :], g_ok[None, :, None] & s_ok[:, None, :],
-                           TREF + rows[None, :] * n_tiles + (first // SUB)[:, None],
-                           g_ok[None, :] & (first < hi)[:, None], s, m_use, q3, v, VNORM, VNORM_MMA, FP32_DOT,
-                           SCRATCH_FP16, T_EVICT)
-    # The warps' states and the starting one rescaled to their common maximum; a state that saw no
-    # valid slot (m = -inf, l = 0) weighs 0.
-    m = tl.maximum(reduce_max(m_i, 0), m0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    scale = tl.exp2(m_i - m_use[None, :])  # [WARPS, G_PAD]
-    scale0 = tl.exp2(m0 - m_use)
-    l_sum = reduce_sum(l_i * scale, 0) + l0 * scale0
-    acc_sum = reduce_sum(acc * scale[:, :, None], 0) + acc0 * scale0[:, None]
-    return m, l_sum, acc_sum
 
 
 @triton.jit
@@ -233,7 +164,6 @@ def _partial_kernel(
     VNORM_MMA: tl.constexpr, KV_EVICT: tl.constexpr, T_EVICT: tl.constexpr,
     SCORE: tl.constexpr, BOUNDED: tl.constexpr, VNORM: tl.constexpr, SELECTIONS: tl.constexpr,
     COMBINE: tl.constexpr, APPEND: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_TILE: tl.constexpr,
-    WARP_SPLIT: tl.constexpr, WARPS: tl.constexpr,
 ):
     """Program (b * Hkv + kv_head, split); see the module docstring. COMBINE and APPEND serve
     `flash_decode` and `append_decode` only (SCORE off; BOUNDED on for APPEND); SPLITS_PAD and
@@ -314,26 +244,19 @@ def _partial_kernel(
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n_slots)
     valid_row = VALID + b * stride_valid_b + kv_head * stride_valid_h
-    if WARP_SPLIT:
-        m_i, l_i, acc = _warp_split_loop(
-            q, K + b * stride_kb + kv_head * stride_kh, V + b * stride_vb + kv_head * stride_vh, valid_row, T,
-            TREF, rows, m_i, l_i, acc, lo, hi, n_slots, n_tiles, qk_scale, stride_ks, stride_kd, stride_vs,
-            stride_vd, stride_valid_s, GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, WARPS, FP32_DOT,
-            PREFETCH, VNORM_MMA, KV_EVICT, T_EVICT, SCORE, VNORM, SCRATCH_FP16)
-    else:
-        ok_next = tl.load(valid_row + (lo + offs_n) * stride_valid_s, mask=(lo + offs_n) < hi, other=0)
-        for start in range(lo, hi, BLOCK_N):
-            slots = start + offs_n
-            s_ok, ok, ok_next, kv_mask = _tile_masks(valid_row, slots, hi, ok_next, d_ok, stride_valid_s, BLOCK_N,
-                                                     PREFETCH, HEAD_DIM != HEAD_DIM_PAD)
-            # K/V are read once: `evict_first` keeps them from pushing the scratch out of L2.
-            k = tl.load(k_base + slots[:, None] * stride_ks, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-            v = tl.load(v_base + slots[:, None] * stride_vs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-            s, m_use, m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, FP32_DOT)
-            if SCORE:
-                _write_scratch(t_rows + slots[None, :], g_ok[:, None] & s_ok[None, :],
-                               TREF + rows * n_tiles + start // BLOCK_N, g_ok, s, m_use, q, v, VNORM, VNORM_MMA,
-                               FP32_DOT, SCRATCH_FP16, T_EVICT)
+    ok_next = tl.load(valid_row + (lo + offs_n) * stride_valid_s, mask=(lo + offs_n) < hi, other=0)
+    for start in range(lo, hi, BLOCK_N):
+        slots = start + offs_n
+        s_ok, ok, ok_next, kv_mask = _tile_masks(valid_row, slots, hi, ok_next, d_ok, stride_valid_s, BLOCK_N,
+                                                 PREFETCH, HEAD_DIM != HEAD_DIM_PAD)
+        # K/V are read once: `evict_first` keeps them from pushing the scratch out of L2.
+        k = tl.load(k_base + slots[:, None] * stride_ks, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+        v = tl.load(v_base + slots[:, None] * stride_vs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
+        s, m_use, m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, FP32_DOT)
+        if SCORE:
+            _write_scratch(t_rows + slots[None, :], g_ok[:, None] & s_ok[None, :],
+                           TREF + rows * n_tiles + start // BLOCK_N, g_ok, s, m_use, q, v, VNORM, VNORM_MMA,
+                           FP32_DOT, SCRATCH_FP16, T_EVICT)
     tl.store(M_PART + rows * n_splits + split, m_i, mask=g_ok)
     tl.store(L_PART + rows * n_splits + split, l_i, mask=g_ok)
     out_mask = g_ok[:, None] & d_ok[None, :]
@@ -570,9 +493,6 @@ class LaunchConfig:
     prefetch: bool = True  # load the validity mask one tile ahead in the attention pass
     vnorm: str = "mma"  # ||v||_1 as ones @ |v|^T on the tensor cores ("mma") or a reduction ("reduce")
     l2_hints: bool = True  # K/V loaded `evict_first`, the scratch stored `evict_last`
-    # Each warp of the attention pass on its own block_n / num_warps slots of every tile, with its own
-    # softmax state (`_warp_split_loop`).
-    warp_split: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_s"):
@@ -585,9 +505,6 @@ class LaunchConfig:
             raise ValueError(f"scratch must be 'fp32' or 'fp16', got {self.scratch!r}")
         if self.vnorm not in ("mma", "reduce"):
             raise ValueError(f"vnorm must be 'mma' or 'reduce', got {self.vnorm!r}")
-        if self.warp_split and self.block_n < 16 * self.num_warps:
-            raise ValueError(f"warp_split gives each of the {self.num_warps} warps block_n / num_warps slots of a "
-                             f"tile, at least 16: block_n must be >= {16 * self.num_warps}, got {self.block_n}")
 
 
 @functools.cache
@@ -839,14 +756,12 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
     # Whole tiles per split; the split counts actually launched follow from the rounding.
     chunk, splits = _even_split(slots, config.splits, config.block_n)
     fp16_scratch = config.scratch == "fp16"
-    # fp16 scratch: a score tile is whole reference tiles, the attention tiles (each warp's share of
-    # one with `warp_split`), whose running maxima the references are.
-    reference_tile = config.block_n // config.num_warps if config.warp_split else config.block_n
-    block_s = max(config.block_s, reference_tile) if fp16_scratch else config.block_s
-    subtile = reference_tile if fp16_scratch else block_s
+    # fp16 scratch: a score tile is whole attention tiles, whose running maxima its references are.
+    block_s = max(config.block_s, config.block_n) if fp16_scratch else config.block_s
+    subtile = config.block_n if fp16_scratch else block_s
     score_chunk = triton.cdiv(triton.cdiv(slots, config.score_splits), block_s) * block_s
     score_splits = triton.cdiv(slots, score_chunk)
-    n_tiles = triton.cdiv(slots, reference_tile)
+    n_tiles = triton.cdiv(slots, config.block_n)
     fp32_dot = ieee_products(q.dtype)
 
     device, f32 = q.device, torch.float32
@@ -875,7 +790,6 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
         VNORM_MMA=config.vnorm == "mma", KV_EVICT="evict_first" if config.l2_hints else "",
         T_EVICT="evict_last" if config.l2_hints else "", SCORE=True, BOUNDED=False, VNORM=score.vnorm,
         SELECTIONS=selections, COMBINE=False, APPEND=False, SPLITS_PAD=1, HEAD_TILE=1,
-        WARP_SPLIT=config.warp_split, WARPS=config.num_warps,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if attention_only:
@@ -1067,7 +981,6 @@ def _decode_pass(q, k, v, valid, lengths, scale, config, arrivals, append=None) 
         SCORE=False, BOUNDED=lengths is not None, VNORM=False, SELECTIONS=1,
         COMBINE=combine, APPEND=append is not None, SPLITS_PAD=splits_pad,
         HEAD_TILE=_head_tile(group, splits_pad, head_dim_pad),
-        WARP_SPLIT=config.warp_split, WARPS=config.num_warps,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits == 1 or combine:

@@ -98,11 +98,6 @@ def host_calls() -> None:
         longflow_attention(q, keys, values, valid[:, 0])
         longflow_attention(q, keys, values, valid[:, 0], protect=valid[:, 0], config=LaunchConfig(scratch="fp16"))
         longflow_attention(q, keys, values, valid[:, 0], config=LaunchConfig(vnorm="reduce", prefetch=False))
-        for warps in (2, 4):
-            split = LaunchConfig(block_n=16 * warps, num_warps=warps, warp_split=True)
-            longflow_attention(q, keys, values, valid[:, 0], config=split)
-            flash_decode(q, keys, values, valid[:, 0], lengths, config=split)
-        longflow_attention(q, keys, values, valid[:, 0], config=LaunchConfig(warp_split=True, scratch="fp16"))
         for score, spec in SCORES.items():
             for per_kv_head in {True, spec.accumulate}:
                 scored_attention(q, keys, values, valid, next_slot, score=score, per_kv_head=per_kv_head,
