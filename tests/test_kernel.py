@@ -160,6 +160,17 @@ def test_strided_views_and_protect():
     assert int(next_slot[1]) == 10
 
 
+@pytest.mark.parametrize("config", [None, LaunchConfig(block_n=64, splits=2, score_splits=2, block_s=32)],
+                         ids=["heuristic", "split"])
+@pytest.mark.parametrize("q_heads,kv_heads,head_dim", [(6, 2, 80), (2, 2, 128)], ids=["g3-d80", "g1-d128"])
+def test_padded_heads_and_dims(q_heads, kv_heads, head_dim, config):
+    """Three query heads a group (padded to 16 rows) and a head dim of 80 (padded to 128), or one head
+    a group: the masks of the padding rows and dims, against the float32 reference."""
+    q, k, v, valid = make_inputs(3, q_heads, kv_heads, 170, head_dim, torch.bfloat16, "padding", seed=head_dim)
+    out, next_slot = longflow_attention(q, k, v, valid, config=config)
+    check(q, k, v, valid, out, next_slot)
+
+
 def test_rejects_bad_inputs():
     q, k, v, valid = make_inputs(2, 8, 2, 32, 64, torch.bfloat16, "all_valid", seed=3)
     with pytest.raises(ValueError, match="multiple of kv_heads"):
