@@ -4,15 +4,15 @@
     python -m evals.bench.sass_loop --batch 16 --slots 8192
 
 For each way the attention pass runs (LongFlow's fused call, H2O's bare-logit pass, `flash_decode`),
-at the kernels' heuristic configuration
-for the shape (Qwen3-8B heads, bf16): the registers and shared memory of a program, how many programs
-fit a multiprocessor by each (the fewer decides), and the instructions of one iteration of the loop
-over K/V tiles by kind: the tensor-core products (HMMA), barriers (BAR), shared-memory traffic (LDS,
-LDSM, STS), global stores (STG) and asynchronous copies (LDGSTS), shuffles (SHFL), the
-multi-function unit (MUFU: exp2, log2, reciprocal) and float arithmetic. The loop is the longest
-backward branch's body that holds tensor-core products. These are static counts from the compiler
-(`evals.bench.aot`: Triton's ptxas and cuobjdump), not timings: what the GPU makes of them is
-`evals.bench.attention`'s and `evals.bench.scratch_store`'s to measure.
+at the kernels' heuristic configuration for the shape (Qwen3-8B heads, bf16): the registers and
+shared memory of a program, how many programs fit a multiprocessor by each (the fewer decides), and
+the instructions of one iteration of the loop over K/V tiles by kind: the tensor-core products
+(HMMA), barriers (BAR), shared-memory traffic (LDS, LDSM, STS), global stores (STG) and asynchronous
+copies (LDGSTS), shuffles (SHFL), the multi-function unit (MUFU: exp2, log2, reciprocal) and float
+arithmetic. The loop is the longest backward branch's body that holds tensor-core products. These
+are static counts from the compiler (`evals.bench.aot`: Triton's ptxas and cuobjdump), not timings:
+what the GPU makes of them is `evals.bench.attention`'s and `evals.bench.scratch_store`'s to
+measure.
 """
 
 from __future__ import annotations

@@ -71,84 +71,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _tile_masks(valid_row, slots, hi, ok_next, d_ok, stride_valid_s, BLOCK_N: tl.constexpr,
-                PREFETCH: tl.constexpr, PADDED_DIM: tl.constexpr):
-    """(in range, valid, the next tile's validity bytes, the K/V loads' mask `[N, D]`) of a tile's
-    `slots`. With PREFETCH the validity is loaded one tile ahead (a byte per slot is below the 4
-    bytes of an asynchronous copy, so the compiler does not pipeline it, and an in-loop load would
-    stall every iteration for a full memory latency); `ok_next` is the prefetched tile's (ignored
-    without PREFETCH)."""
-    s_ok = slots < hi
-    if PREFETCH:
-        ok = ok_next != 0
-        ok_next = tl.load(valid_row + (slots + BLOCK_N) * stride_valid_s, mask=(slots + BLOCK_N) < hi, other=0)
-    else:
-        ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0) != 0
-    kv_mask = s_ok[:, None]
-    if PADDED_DIM:
-        kv_mask = kv_mask & d_ok
-    return s_ok, ok, ok_next, kv_mask
-
-
-@triton.jit
-def _attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, FP32_DOT: tl.constexpr):
-    """One tile of the online softmax (q `[G_PAD, D]`, k and v `[N, D]`, ok `[N]`): the logits in base
-    2 (exp2(x * log2 e) = exp(x)), masked, and the running (m, l, acc) updated; `m_use` stays finite
-    so that fully masked tiles give 0, never NaN. Returns (logits, m_use, m, l, acc)."""
-    if FP32_DOT:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
-    s = tl.where(ok[None, :], s * qk_scale, float("-inf"))  # [G_PAD, N]
-    m_new = tl.maximum(m_i, reduce_max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + reduce_sum(p, 1)
-    if FP32_DOT:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
-    return s, m_use, m_new, l_i, acc
-
-
-@triton.jit
-def _write_scratch(t_ptrs, t_mask, tref_ptrs, tref_mask, s, m_use, q, v, VNORM: tl.constexpr,
-                   VNORM_MMA: tl.constexpr, FP32_DOT: tl.constexpr, SCRATCH_FP16: tl.constexpr,
-                   T_EVICT: tl.constexpr):
-    """A tile's score scratch, as `_attend_tile` left it: t = logit (+ log2 ||v||_1 for LongFlow's
-    score, VNORM), so that p (* ||v||_1) = exp2(t - m) / l later; in fp16,
-    relative to the running max `m_use`, which goes to the tile's reference (`tref_ptrs`).
-    ||v_j||_1 comes from the tensor cores, ones @ |v|^T with `ones` shaped as q, already in the layout
-    of the logits (every row equal): a reduction over D would need shuffles and a layout conversion.
-    Floored at 1e-30 so that zero vectors and padding give a very negative number, not -inf. With
-    16-bit inputs its log2 is the multi-function unit's approximation (`log2_approx`): libdevice's
-    accurate one was a third of the loop's instructions. Float32 inputs keep it, so that their scores
-    stay within rounding of the eager path's."""
-    if not VNORM:
-        log_vnorm = 0.0
-    elif not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
-        vnorm = reduce_sum(tl.abs(v.to(tl.float32)), 1)
-        log_vnorm = tl.log2(tl.maximum(vnorm[None, :], 1e-30))  # [1, N]
-    elif FP32_DOT:
-        ones = tl.full(q.shape, 1.0, tl.float32)
-        vnorm = tl.dot(ones, tl.trans(tl.abs(v.to(tl.float32))), input_precision="ieee")
-        log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, N], rows equal
-    else:
-        ones = tl.full(q.shape, 1.0, v.dtype)
-        vnorm = tl.dot(ones, tl.trans(tl.abs(v)))
-        log_vnorm = log2_approx(tl.maximum(vnorm, 1e-30))  # [G_PAD, N], rows equal
-    if SCRATCH_FP16:
-        # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
-        u = s - m_use[:, None] + log_vnorm
-        tl.store(t_ptrs, u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
-        tl.store(tref_ptrs, m_use, mask=tref_mask)
-    else:
-        tl.store(t_ptrs, s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
-
-
-@triton.jit
 def _partial_kernel(
     Q, K, V, VALID, LENGTHS, T, TREF, M_PART, L_PART, ACC, OUT, BEST, ARRIVED,
     NEW_K, NEW_V, POSITIONS, TOKEN_POSITIONS, SPLITS_ARRIVED,
@@ -244,19 +166,77 @@ def _partial_kernel(
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n_slots)
     valid_row = VALID + b * stride_valid_b + kv_head * stride_valid_h
+    # The mask is loaded one tile ahead (PREFETCH): a byte per slot is below the 4 bytes of an
+    # asynchronous copy, so the compiler does not pipeline it, and an in-loop load would stall
+    # every iteration for a full memory latency.
     ok_next = tl.load(valid_row + (lo + offs_n) * stride_valid_s, mask=(lo + offs_n) < hi, other=0)
     for start in range(lo, hi, BLOCK_N):
         slots = start + offs_n
-        s_ok, ok, ok_next, kv_mask = _tile_masks(valid_row, slots, hi, ok_next, d_ok, stride_valid_s, BLOCK_N,
-                                                 PREFETCH, HEAD_DIM != HEAD_DIM_PAD)
+        s_ok = slots < hi
+        if PREFETCH:
+            ok = ok_next != 0
+            ok_next = tl.load(valid_row + (slots + BLOCK_N) * stride_valid_s, mask=(slots + BLOCK_N) < hi, other=0)
+        else:
+            ok = tl.load(valid_row + slots * stride_valid_s, mask=s_ok, other=0) != 0
+        if HEAD_DIM == HEAD_DIM_PAD:
+            kv_mask = s_ok[:, None]
+        else:
+            kv_mask = s_ok[:, None] & d_ok[None, :]
         # K/V are read once: `evict_first` keeps them from pushing the scratch out of L2.
         k = tl.load(k_base + slots[:, None] * stride_ks, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
         v = tl.load(v_base + slots[:, None] * stride_vs, mask=kv_mask, other=0.0, eviction_policy=KV_EVICT)
-        s, m_use, m_i, l_i, acc = _attend_tile(q, k, v, ok, m_i, l_i, acc, qk_scale, FP32_DOT)
+
+        # Logits in base 2: exp2(x * log2 e) = exp(x).
+        if FP32_DOT:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))  # [G_PAD, BLOCK_N]
+
+        # Online softmax; `m_use` stays finite so that fully masked tiles give 0, never NaN.
+        m_new = tl.maximum(m_i, reduce_max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + reduce_sum(p, 1)
+        if FP32_DOT:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
         if SCORE:
-            _write_scratch(t_rows + slots[None, :], g_ok[:, None] & s_ok[None, :],
-                           TREF + rows * n_tiles + start // BLOCK_N, g_ok, s, m_use, q, v, VNORM, VNORM_MMA,
-                           FP32_DOT, SCRATCH_FP16, T_EVICT)
+            # Score scratch: t = logit (+ log2 ||v||_1 for LongFlow's score, VNORM), so that
+            # p (* ||v||_1) = exp2(t - m) / l later.
+            # ||v_j||_1 comes from the tensor cores, ones @ |v|^T, already in the layout of the logits
+            # (every row equal): a reduction over D would need shuffles and a layout conversion.
+            # Floored at 1e-30 so that zero vectors and padding give a very negative number, not -inf.
+            # With 16-bit inputs its log2 is the multi-function unit's approximation (`log2_approx`):
+            # libdevice's accurate one was a third of the loop's instructions. Float32 inputs keep it,
+            # so that their scores stay within rounding of the eager path's.
+            if not VNORM:
+                log_vnorm = 0.0
+            elif not VNORM_MMA:  # the plain reduction, kept for comparison (NOTES.md)
+                vnorm = reduce_sum(tl.abs(v.to(tl.float32)), 1)[None, :]
+                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [1, BLOCK_N]
+            elif FP32_DOT:
+                ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, tl.float32)
+                vnorm = tl.dot(ones, tl.trans(tl.abs(v.to(tl.float32))), input_precision="ieee")
+                log_vnorm = tl.log2(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N], rows equal
+            else:
+                ones = tl.full([GROUP_PAD, HEAD_DIM_PAD], 1.0, v.dtype)
+                vnorm = tl.dot(ones, tl.trans(tl.abs(v)))
+                log_vnorm = log2_approx(tl.maximum(vnorm, 1e-30))  # [G_PAD, BLOCK_N], rows equal
+            t_mask = g_ok[:, None] & s_ok[None, :]
+            if SCRATCH_FP16:
+                # Relative to the running max, which is <= 0 + log2 ||v||: small numbers, fp16 is enough.
+                u = s - m_use[:, None] + log_vnorm
+                tl.store(t_rows + slots[None, :], u.to(tl.float16), mask=t_mask, eviction_policy=T_EVICT)
+                tl.store(TREF + rows * n_tiles + start // BLOCK_N, m_use, mask=g_ok)
+            else:
+                tl.store(t_rows + slots[None, :], s + log_vnorm, mask=t_mask, eviction_policy=T_EVICT)
+
     tl.store(M_PART + rows * n_splits + split, m_i, mask=g_ok)
     tl.store(L_PART + rows * n_splits + split, l_i, mask=g_ok)
     out_mask = g_ok[:, None] & d_ok[None, :]
