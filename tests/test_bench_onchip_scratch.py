@@ -1,7 +1,8 @@
 """`evals.bench.onchip_scratch`, the Gluon pass with its scratch in shared memory, on this machine: its
 float32 reference against the library's, its row argmin (through Triton's interpreter) against the
-shared selection rule, and the pass compiled for sm_90 with the GPU image's Triton (Gluon has no
-interpreter; the pass itself runs on a GPU only, where the benchmark checks it before it times it)."""
+shared selection rule, and the pass compiled for sm_90 with the installed Triton and the GPU image's
+(Gluon has no interpreter; the pass itself runs on a GPU only, where the benchmark checks it before
+it times it)."""
 
 from __future__ import annotations
 
@@ -52,9 +53,9 @@ def test_the_row_argmin_follows_the_shared_rule():
     assert next_slot[1] == 50 and next_slot[2] == 1050
 
 
-@pytest.mark.skipif("gpu image" not in SM90_TRITONS, reason="needs the GPU image's Triton beside the installed one")
-def test_every_timed_configuration_compiles_for_sm90():
-    result = sm90_process("gpu image", "-m", "evals.bench.onchip_scratch", "--compile", "--slots", "1024", "8192")
+@pytest.mark.parametrize("triton", list(SM90_TRITONS))
+def test_every_timed_configuration_compiles_for_sm90(triton):
+    result = sm90_process(triton, "-m", "evals.bench.onchip_scratch", "--compile", "--slots", "1024", "8192")
     assert result.returncode == 0, result.stderr[-4000:]
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert {(row["slots"], row["name"]) for row in rows} == {(s, name) for s in (1024, 8192) for name in TIMED}

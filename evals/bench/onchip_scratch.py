@@ -15,10 +15,10 @@ shared memory), taken out of the tile by in-thread reshapes and splits.
     python -m evals.bench.onchip_scratch             # checks against float32, then times (CUDA GPU)
     python -m evals.bench.onchip_scratch --compile   # compiles for sm_90 only, any machine
 
-Written for Gluon as Triton 3.6 has it (the GPU image's); later Tritons renamed parts of it
-(`async_copy_global_to_shared`, `thread_barrier`), so `--compile` runs under that Triton
-(`tests/test_bench_onchip_scratch.py`). Gluon has no interpreter: the kernel runs on a GPU only.
-Results and what they mean: longflow/kernels/NOTES.md, "The scratch on chip".
+Gluon has no interpreter: the kernel runs on a GPU only, and the CPU tests compile it for sm_90
+with the installed Triton and the GPU image's 3.6 (`tests/test_bench_onchip_scratch.py`), whose
+Gluon names two of its operations differently (below). Results and what they mean:
+longflow/kernels/NOTES.md, "The scratch on chip".
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from longflow.kernels.reductions import reduce_min  # noqa: E402
 
+# Gluon's names as Triton 3.6 (the GPU image's) has them, or as later Tritons renamed them.
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 ROWS = gl.constexpr(16)  # the MMA's rows: a KV head's G query heads, zero-padded
 
 
@@ -87,9 +90,9 @@ def _onchip_pass(Q, K, V, VALID, OUT, PART, ARRIVED, NEXT, n_slots, qk_scale,
     n_tiles = gl.cdiv(n_slots, BLOCK_N)
     for i in gl.static_range(STAGES - 1):
         in_range = ((i * BLOCK_N + offs_n_io) < n_slots)[:, None] & d_all
-        async_copy.async_copy_global_to_shared(k_smem.index(i), K + kv_base + i * BLOCK_N * HEAD_DIM + tile_offs,
+        _async_load(k_smem.index(i), K + kv_base + i * BLOCK_N * HEAD_DIM + tile_offs,
                                                mask=in_range)
-        async_copy.async_copy_global_to_shared(v_smem.index(i), V + kv_base + i * BLOCK_N * HEAD_DIM + tile_offs,
+        _async_load(v_smem.index(i), V + kv_base + i * BLOCK_N * HEAD_DIM + tile_offs,
                                                mask=in_range)
         async_copy.commit_group()
 
@@ -118,12 +121,12 @@ def _onchip_pass(Q, K, V, VALID, OUT, PART, ARRIVED, NEXT, n_slots, qk_scale,
         ok_next = gl.load(valid_row + start + BLOCK_N + offs_n_mma, mask=start + BLOCK_N + offs_n_mma < n_slots,
                           other=0)
         async_copy.wait_group(STAGES - 2)
-        gl.thread_barrier()  # every thread's copies of this tile landed; the stage reused below is read
+        _barrier()  # every thread's copies of this tile landed; the stage reused below is read
         ahead = tile + STAGES - 1
         in_range = ((ahead * BLOCK_N + offs_n_io) < n_slots)[:, None] & d_all
-        async_copy.async_copy_global_to_shared(k_smem.index(ahead % STAGES),
+        _async_load(k_smem.index(ahead % STAGES),
                                                K + kv_base + ahead * BLOCK_N * HEAD_DIM + tile_offs, mask=in_range)
-        async_copy.async_copy_global_to_shared(v_smem.index(ahead % STAGES),
+        _async_load(v_smem.index(ahead % STAGES),
                                                V + kv_base + ahead * BLOCK_N * HEAD_DIM + tile_offs, mask=in_range)
         async_copy.commit_group()
 
@@ -165,7 +168,7 @@ def _onchip_pass(Q, K, V, VALID, OUT, PART, ARRIVED, NEXT, n_slots, qk_scale,
              mask=row_ok_io[:, None] & d_all)
 
     if SCORE:
-        gl.thread_barrier()  # every thread's scratch stores before the walk reads them
+        _barrier()  # every thread's scratch stores before the walk reads them
         m_fin = gl.where(m_i == float("-inf"), 0.0, m_i)
         inv_l = gl.where(l_i > 0, 1.0 / l_safe, 0.0)
         part_row = PART + (b * KV_HEADS + kv_head).to(gl.int64) * n_slots
@@ -193,7 +196,7 @@ def _onchip_pass(Q, K, V, VALID, OUT, PART, ARRIVED, NEXT, n_slots, qk_scale,
                 gl.store(part_row + slots, part, mask=slots < n_slots)
         if FUSED_ARGMIN:
             # Every thread's partials before the counter's release; the last program reads them past L1.
-            gl.thread_barrier()
+            _barrier()
             arrived = gl.atomic_add(ARRIVED + b, 1, sem="acq_rel")
             if arrived == KV_HEADS - 1:
                 _row_argmin_tail(PART, VALID, NEXT, b, n_slots, KV_HEADS, NUM_WARPS)
