@@ -34,6 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 import longflow.kernels  # noqa: E402, F401  (defines every kernel for the compiler)
+import longflow.kernels.onchip  # noqa: E402, F401  (imported by its caller on demand: it needs Gluon)
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_BYTES = 232448  # the most shared memory one program may take on sm_90 (227 KB); more fails at launch
@@ -110,7 +111,10 @@ def specialise(kernel: JITFunction, arguments: dict) -> tuple[dict, dict, dict]:
 def compile_launch(kernel: JITFunction, arguments: dict, options: dict):
     """One recorded launch compiled for sm_90: Triton's `CompiledKernel` (`asm["cubin"]`, `metadata`)."""
     signature, constexprs, attrs = specialise(kernel, arguments)
-    return triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+    source = ASTSource
+    if kernel.is_gluon():  # a Gluon kernel's source is lowered from its own layouts, not Triton's passes
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(kernel, signature, constexprs=constexprs, attrs=attrs), target=TARGET,
                           options=options)
 
 

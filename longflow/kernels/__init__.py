@@ -5,7 +5,9 @@ launch (`append_decode`: the token's write, that pass and its combine), the deco
 (`write_token`), the batch-of-one step's products with the norm, SwiGLU and residual around them
 (`gemv`), R-KV's newest near-duplicate search (`newest_duplicates`), its
 similarities' column sums (`similarity_sums`) and its window importance (`window_importance`), and
-an interval method's compaction of K and V in place (`compact_in_place`).
+an interval method's compaction of K and V in place (`compact_in_place`). LongFlow's pass with its
+score scratch on chip (`longflow.kernels.onchip`, Gluon) is imported by its caller on demand
+(`LaunchConfig(onchip=True)`).
 
 The kernel module is imported here, eagerly, so that the package attribute `longflow_attention` is
 the function (a later `import longflow.kernels.longflow_attention` does not rebind it to the

@@ -473,6 +473,9 @@ class LaunchConfig:
     prefetch: bool = True  # load the validity mask one tile ahead in the attention pass
     vnorm: str = "mma"  # ||v||_1 as ones @ |v|^T on the tensor cores ("mma") or a reduction ("reduce")
     l2_hints: bool = True  # K/V loaded `evict_first`, the scratch stored `evict_last`
+    # LongFlow's score with its scratch on chip (`longflow.kernels.onchip`, Gluon); the fields above
+    # are then unused. Not chosen by `default_config` yet.
+    onchip: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_s"):
@@ -732,6 +735,8 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
         config = default_config(batch, kv_heads, q_heads, slots, head_dim, _multiprocessors(q.device),
                                 _l2_bytes(q.device), selections)
     score = epilogue.score
+    if config.onchip:
+        return _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only)
 
     # Whole tiles per split; the split counts actually launched follow from the rounding.
     chunk, splits = _even_split(slots, config.splits, config.block_n)
@@ -799,6 +804,20 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
         num_warps=config.score_warps,
     )
     return out
+
+
+def _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only):
+    """`_run` through `longflow.kernels.onchip` (imported here: it needs Gluon, which the rest does not)."""
+    from longflow.kernels import onchip
+
+    if epilogue.score != SCORES["longflow"] or epilogue.per_kv_head:
+        raise ValueError("LaunchConfig(onchip=True) takes LongFlow's score with one selection a row only")
+    if not q.is_cuda:
+        raise ValueError("LaunchConfig(onchip=True) needs CUDA tensors: Gluon kernels have no interpreter")
+    reason = onchip.unsupported(q, k, v)
+    if reason is not None:
+        raise ValueError(f"LaunchConfig(onchip=True): the on-chip pass cannot take these inputs: {reason}")
+    return onchip.onchip_attention(q, k, v, valid, epilogue.next_slot, scale, protect, score=not attention_only)
 
 
 def _head_tile(heads_per_part: int, splits_pad: int, head_dim_pad: int) -> int:

@@ -1,0 +1,166 @@
+"""LongFlow's on-chip pass (`longflow.kernels.onchip`, `LaunchConfig(onchip=True)`) against the float32
+reference and the shared selection rule.
+
+Its attention pass is Gluon, which has no interpreter: those tests are marked `gpu`. Its row argmin is
+Triton and runs through the interpreter on a CPU; the pass compiles for sm_90 in
+`tests/test_kernels_compile.py`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+from longflow.kernels import longflow_attention, scored_attention  # noqa: E402
+from longflow.kernels.longflow_attention import LaunchConfig  # noqa: E402
+from longflow.kernels.onchip import _onchip_argmin_kernel, tiling, unsupported  # noqa: E402
+from longflow.kernels.reference import longflow_scores, reference  # noqa: E402
+from longflow.selection import choose_next  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ONCHIP = LaunchConfig(onchip=True)
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def argmin(partials, valid, protect, next_slot):
+    """`_onchip_argmin_kernel` as `onchip_attention` launches it (head 0's masks)."""
+    valid0 = (valid[:, 0] if valid.dim() == 3 else valid).to(torch.uint8)
+    protect0 = valid0 if protect is None else protect[:, 0].to(torch.uint8)
+    write = next_slot.shape[1]
+    _onchip_argmin_kernel[(partials.shape[0],)](
+        partials, valid0, protect0, next_slot, *valid0.stride(), *protect0.stride(), *next_slot.stride(),
+        partials.shape[2], KV_HEADS=partials.shape[1], KV_HEADS_PAD=partials.shape[1], WRITE_HEADS=write,
+        WRITE_HEADS_PAD=max(2, write), HAS_PROTECT=protect is not None, BLOCK=1024)
+
+
+def test_the_row_argmin_is_the_shared_rule_over_head_zero():
+    """The KV heads' partials summed, then `choose_next` over head 0's masks: free slots first, protected
+    valid slots never, ties to the lowest slot; the slot in every column of a strided next-slot buffer."""
+    batch, slots = 5, 1100  # more than one 1024-slot tile
+    gen = torch.Generator().manual_seed(0)
+    partials = torch.rand(batch, KV_HEADS, slots, generator=gen)
+    partials[0, :, 1074] = partials[0, :, 50] = 0.0  # a tie, in one lane of the loop (1024 apart)
+    valid = torch.ones(batch, KV_HEADS, slots, dtype=torch.bool)
+    valid[1, 0, 1050] = False  # head 0's free slot, in the last, partial tile
+    valid[2, 1:, 7] = False  # other heads' holes: not the selection's
+    protect = torch.zeros(batch, KV_HEADS, slots, dtype=torch.bool)
+    lowest = partials[3].sum(0).argmin()
+    protect[3, 0, lowest] = True  # the best slot protected: the next best
+    protect[4, 0, :] = valid[4, 0]  # every valid slot protected
+    next_slot = torch.full((KV_HEADS, batch), -1, dtype=torch.long).t()  # [B, Hkv], strided
+    argmin(partials, valid, protect, next_slot)
+    expected = choose_next(partials.sum(1), valid[:, 0], protect[:, 0])
+    assert torch.equal(next_slot, expected[:, None].expand(batch, KV_HEADS))
+    assert next_slot[0, 0] == 50 and next_slot[1, 0] == 1050 and next_slot[3, 0] != lowest
+
+    one_column = torch.full((batch, 2), -1, dtype=torch.long)
+    argmin(partials, valid[:, 0], None, one_column[:, :1])  # longflow_attention's [B, 1]
+    assert torch.equal(one_column[:, 0], choose_next(partials.sum(1), valid[:, 0]))
+    assert (one_column[:, 1] == -1).all()  # only the buffer's own column
+
+
+def test_tiling():
+    assert tiling(3200) == (64, 2) and tiling(1024) == (32, 2) and tiling(8192) == (32, 2)
+
+
+def test_what_the_pass_cannot_take():
+    q = torch.zeros(2, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    k = torch.zeros(2, KV_HEADS, 64, HEAD_DIM, dtype=torch.bfloat16)
+    assert unsupported(q, k, k) is None
+    assert "16-bit" in unsupported(q.float(), k.float(), k.float())
+    assert "head dim" in unsupported(q[..., :64], k[..., :64], k[..., :64])
+    assert "query heads a KV head" in unsupported(q, k[:, :4], k[:, :4])  # G = 8
+    long = torch.zeros(1, KV_HEADS, 8200, HEAD_DIM, dtype=torch.bfloat16)
+    assert "8192 slots" in unsupported(q[:1], long, long)
+    strided = torch.zeros(2, KV_HEADS, 64, 2 * HEAD_DIM, dtype=torch.bfloat16)[..., ::2]
+    assert "contiguous head dim" in unsupported(q, strided, strided)
+
+
+def test_the_launch_config_asks_for_what_it_can_do():
+    q = torch.zeros(2, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    k = torch.zeros(2, KV_HEADS, 64, HEAD_DIM, dtype=torch.bfloat16)
+    valid = torch.ones(2, KV_HEADS, 64, dtype=torch.bool)
+    next_slot = torch.zeros(2, KV_HEADS, dtype=torch.long)
+    with pytest.raises(ValueError, match="LongFlow's score with one selection a row"):
+        scored_attention(q, k, k, valid, next_slot, score="attention", config=ONCHIP)
+    with pytest.raises(ValueError, match="LongFlow's score with one selection a row"):
+        scored_attention(q, k, k, valid, next_slot, score="longflow", per_kv_head=True, config=ONCHIP)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            longflow_attention(q, k, k, valid[:, 0], config=ONCHIP)
+
+
+def inputs(batch, slots, dtype, mask, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = 2 * torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen)  # peakier than randn alone
+    k, v = (torch.randn(batch, KV_HEADS, slots, HEAD_DIM, generator=gen) for _ in range(2))
+    valid = torch.ones(batch, slots, dtype=torch.bool)
+    if mask == "padding":
+        valid = torch.arange(slots)[None, :] >= torch.randint(0, slots, (batch,), generator=gen)[:, None]
+    elif mask == "one_free":
+        valid[torch.arange(batch), torch.randint(0, slots, (batch,), generator=gen)] = False
+    return (*(t.to(DEVICE, dtype) for t in (q, k, v)), valid.to(DEVICE))
+
+
+def assert_longflow(q, k, v, valid, out, next_slot, protect=None, score_rtol=1e-2):
+    """Output against float32; the next slot the reference's, or within `score_rtol` of its score (the
+    fp16 scratch's rounding)."""
+    truth, score = longflow_scores(q.float(), k.float(), v.float(), valid)
+    assert (out.float() - truth).norm() / truth.norm() < 1e-2
+    _, expected = reference(q, k, v, valid, protect=protect)
+    for b in range(q.shape[0]):
+        got, want = int(next_slot[b]), int(expected[b])
+        if got == want:
+            continue
+        assert valid[b].all(), f"row {b}: a free slot exists, expected the lowest {want}, got {got}"
+        assert protect is None or not protect[b, got], f"row {b}: chose protected slot {got}"
+        assert score[b, got] <= score[b, want] * (1 + score_rtol), f"row {b}: slot {got}, not {want}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,slots,dtype,mask", [
+    (3, 100, torch.bfloat16, "padding"),  # a partial 32-slot tile
+    (2, 3200, torch.bfloat16, "all_valid"),  # 64-slot tiles
+    (5, 777, torch.float16, "one_free"),
+    (40, 2000, torch.bfloat16, "all_valid"),
+    (2, 8192, torch.bfloat16, "padding"),  # the most slots the scratch holds
+])
+def test_longflow_attention_on_chip(batch, slots, dtype, mask):
+    q, k, v, valid = inputs(batch, slots, dtype, mask, seed=slots)
+    out, next_slot = longflow_attention(q, k, v, valid, config=ONCHIP)
+    assert_longflow(q, k, v, valid, out, next_slot)
+
+
+@pytest.mark.gpu
+def test_scored_attention_on_chip_with_protection_and_masks_per_head():
+    """Each head attends over its own slots; the row's selection reads head 0's masks; every column
+    of a strided next-slot buffer gets it. Against the Triton call, which the reference tests cover."""
+    batch, slots = 6, 500
+    q, k, v, _ = inputs(batch, slots, torch.bfloat16, "all_valid", seed=1)
+    gen = torch.Generator().manual_seed(2)
+    valid = (torch.rand(batch, KV_HEADS, slots, generator=gen) > 0.1).to(DEVICE)
+    valid[1::2] = True  # rows whose next slot is chosen by score
+    protect = (torch.rand(batch, KV_HEADS, slots, generator=gen) < 0.3).to(DEVICE)
+    next_slot = torch.full((KV_HEADS, batch), -1, dtype=torch.long, device=DEVICE).t()
+    out = scored_attention(q, k, v, valid, next_slot, score="longflow", protect=protect, config=ONCHIP)
+    triton_slot = torch.full((batch, KV_HEADS), -1, dtype=torch.long, device=DEVICE)
+    triton_out = scored_attention(q, k, v, valid, triton_slot, score="longflow", protect=protect)
+    torch.testing.assert_close(out, triton_out, atol=2e-2, rtol=2e-2)
+    assert (next_slot == next_slot[:, :1]).all()
+    # LongFlow's score with each head's own slots: sum over every query head of p_hj ||v_j||_1.
+    grouped = q.float().view(batch, KV_HEADS, Q_HEADS // KV_HEADS, HEAD_DIM)
+    logits = (grouped @ k.float().transpose(-1, -2) * HEAD_DIM**-0.5).masked_fill(~valid[:, :, None], float("-inf"))
+    score = (logits.softmax(-1) * v.float().abs().sum(-1)[:, :, None]).sum((1, 2))  # [B, S]
+    for b in range(batch):
+        got, want = int(next_slot[b, 0]), int(triton_slot[b, 0])
+        if got != want:
+            assert valid[b, 0].all() and not protect[b, 0, got]
+            assert score[b, got] <= score[b, want] * 1.01, f"row {b}: slot {got}, not {want}"
