@@ -25,20 +25,26 @@ from longflow.kernels.onchip import _onchip_argmin_kernel, tiling, unsupported  
 from longflow.kernels.reference import longflow_scores, reference  # noqa: E402
 from longflow.selection import choose_next  # noqa: E402
 
+pytestmark = pytest.mark.kernels
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ONCHIP = LaunchConfig(onchip=True)
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
 def argmin(partials, valid, protect, next_slot):
-    """`_onchip_argmin_kernel` as `onchip_attention` launches it (head 0's masks)."""
+    """`_onchip_argmin_kernel` as `onchip_attention` launches it (head 0's masks), on DEVICE's copies;
+    next_slot is written in place."""
+    partials, valid, next_on_device = partials.to(DEVICE), valid.to(DEVICE), next_slot.to(DEVICE)
+    protect = None if protect is None else protect.to(DEVICE)
     valid0 = (valid[:, 0] if valid.dim() == 3 else valid).to(torch.uint8)
     protect0 = valid0 if protect is None else protect[:, 0].to(torch.uint8)
     write = next_slot.shape[1]
     _onchip_argmin_kernel[(partials.shape[0],)](
-        partials, valid0, protect0, next_slot, *valid0.stride(), *protect0.stride(), *next_slot.stride(),
-        partials.shape[2], KV_HEADS=partials.shape[1], KV_HEADS_PAD=partials.shape[1], WRITE_HEADS=write,
-        WRITE_HEADS_PAD=max(2, write), HAS_PROTECT=protect is not None, BLOCK=1024)
+        partials, valid0, protect0, next_on_device, *valid0.stride(), *protect0.stride(),
+        *next_on_device.stride(), partials.shape[2], KV_HEADS=partials.shape[1], KV_HEADS_PAD=partials.shape[1],
+        WRITE_HEADS=write, WRITE_HEADS_PAD=max(2, write), HAS_PROTECT=protect is not None, BLOCK=1024)
+    next_slot.copy_(next_on_device.cpu())
 
 
 def test_the_row_argmin_is_the_shared_rule_over_head_zero():
@@ -85,10 +91,10 @@ def test_what_the_pass_cannot_take():
 
 
 def test_the_launch_config_asks_for_what_it_can_do():
-    q = torch.zeros(2, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
-    k = torch.zeros(2, KV_HEADS, 64, HEAD_DIM, dtype=torch.bfloat16)
-    valid = torch.ones(2, KV_HEADS, 64, dtype=torch.bool)
-    next_slot = torch.zeros(2, KV_HEADS, dtype=torch.long)
+    q = torch.zeros(2, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.zeros(2, KV_HEADS, 64, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
+    valid = torch.ones(2, KV_HEADS, 64, dtype=torch.bool, device=DEVICE)
+    next_slot = torch.zeros(2, KV_HEADS, dtype=torch.long, device=DEVICE)
     with pytest.raises(ValueError, match="LongFlow's score with one selection a row"):
         scored_attention(q, k, k, valid, next_slot, score="attention", config=ONCHIP)
     with pytest.raises(ValueError, match="LongFlow's score with one selection a row"):
