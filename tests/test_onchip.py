@@ -88,6 +88,8 @@ def test_what_the_pass_cannot_take():
     assert "8192 slots" in unsupported(q[:1], long, long)
     strided = torch.zeros(2, KV_HEADS, 64, 2 * HEAD_DIM, dtype=torch.bfloat16)[..., ::2]
     assert "contiguous head dim" in unsupported(q, strided, strided)
+    padded_rows = torch.zeros(2, KV_HEADS, 64, HEAD_DIM + 8, dtype=torch.bfloat16)[..., :HEAD_DIM]
+    assert "multiples of 16" in unsupported(q, padded_rows, padded_rows)  # rows 8 elements apart
 
 
 def test_the_launch_config_asks_for_what_it_can_do():

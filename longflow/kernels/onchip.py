@@ -247,9 +247,10 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None
     if slots > MAX_SLOTS:
         return f"its scratch holds at most {MAX_SLOTS} slots, not {slots}"
     for name, tensor in (("q", q), ("k", k), ("v", v)):
-        # 16-byte asynchronous copies: contiguous head dims, 16-byte aligned rows.
-        if tensor.stride(-1) != 1 or tensor.data_ptr() % 16 or any(s % 8 for s in tensor.stride()[:-1]):
-            return f"{name} needs a contiguous head dim and 16-byte aligned rows"
+        # 16-byte asynchronous copies: contiguous head dims and rows the compiler knows to be aligned,
+        # which it learns from strides that Triton's launch marks divisible by 16 (elements).
+        if tensor.stride(-1) != 1 or tensor.data_ptr() % 16 or any(s % 16 for s in tensor.stride()[:-1]):
+            return f"{name} needs a contiguous head dim and strides that are multiples of 16"
     if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 0):
         return "it needs an sm_80 or newer GPU"
     return None
