@@ -42,10 +42,16 @@ def test_the_loop_is_the_longest_backward_branch_with_products():
 @pytest.mark.parametrize("triton", list(SM90_TRITONS))
 def test_the_attention_loops_machine_code(triton):
     rows = {row["name"]: row for row in run(triton, "--batch", "16", "--slots", "320")}
-    assert set(rows) == {"LongFlow", "H2O", "flash_decode"}
+    assert set(rows) == {"LongFlow", "H2O", "flash_decode", "on chip"}
     for row in rows.values():
         assert row["body"]["instructions"] > 100 and min(row["programs"].values()) >= 1
     longflow = rows["LongFlow"]["body"]
     assert longflow["mufu"].get("LG2", 0) > 0 and longflow["kinds"]["FFMA"] < 8  # no log2f polynomial
     assert longflow["kinds"]["HMMA"] == rows["H2O"]["body"]["kinds"]["HMMA"] * 3 // 2  # ||v||_1 products
     assert rows["flash_decode"]["body"]["kinds"]["STG"] == 0  # no scratch
+    on_chip = rows["on chip"]
+    # Its scratch stays in shared memory (no global store in the loop, its K/V through asynchronous
+    # copies), and two programs share a multiprocessor, so that one's epilogue overlaps the other's loads.
+    assert on_chip["body"]["kinds"]["STG"] == 0 and on_chip["body"]["kinds"]["LDGSTS"] > 0
+    assert on_chip["body"]["mufu"].get("LG2", 0) > 0 and on_chip["body"]["kinds"]["STS"] > 0
+    assert min(on_chip["programs"].values()) >= 2

@@ -3,8 +3,9 @@
     python -m evals.bench.sass_loop                       # batch 128, 3200 slots (Figure 1's point)
     python -m evals.bench.sass_loop --batch 16 --slots 8192
 
-For each way the attention pass runs (LongFlow's fused call, H2O's bare-logit pass, `flash_decode`),
-at the kernels' heuristic configuration for the shape (Qwen3-8B heads, bf16): the registers and
+For each way the attention pass runs (LongFlow's fused call, H2O's bare-logit pass, `flash_decode`,
+and LongFlow's pass with its scratch on chip, `longflow.kernels.onchip` at its `tiling`), at the
+kernels' heuristic configuration for the shape (Qwen3-8B heads, bf16): the registers and
 shared memory of a program, how many programs fit a multiprocessor by each (the fewer decides), and
 the instructions of one iteration of the loop over K/V tiles by kind: the tensor-core products
 (HMMA), barriers (BAR), shared-memory traffic (LDS, LDSM, STS), global stores (STG) and asynchronous
@@ -71,6 +72,7 @@ def attention_calls(batch: int, slots: int):
     from evals.bench.aot import L2_BYTES, SMS  # first: the kernels defined for the compiler
     from longflow.kernels import flash_decode, longflow_attention, scored_attention
     from longflow.kernels.longflow_attention import default_config
+    from longflow.kernels.onchip import onchip_attention
 
     q = torch.randn(batch, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16)
     k, v = (torch.randn(batch, KV_HEADS, slots, HEAD_DIM, dtype=torch.bfloat16) for _ in range(2))
@@ -82,7 +84,8 @@ def attention_calls(batch: int, slots: int):
     return [("LongFlow", lambda: longflow_attention(q, k, v, valid[:, 0], config=config)),
             ("H2O", lambda: scored_attention(q, k, v, valid, next_slot, score="accumulated", per_kv_head=True,
                                              received=received, config=config)),
-            ("flash_decode", lambda: flash_decode(q, k, v, valid[:, 0], lengths, config=config))]
+            ("flash_decode", lambda: flash_decode(q, k, v, valid[:, 0], lengths, config=config)),
+            ("on chip", lambda: onchip_attention(q, k, v, valid[:, 0], next_slot[:, :1], HEAD_DIM**-0.5))]
 
 
 def describe(batch: int, slots: int) -> list[dict]:
@@ -98,7 +101,7 @@ def describe(batch: int, slots: int) -> list[dict]:
         registers, shared = int(usage.group(1)), compiled.metadata.shared
         loop = main_loop(cuobjdump(compiled, "-sass"))
         warps = options["num_warps"]
-        rows.append(dict(name=name, registers=registers, shared=shared, warps=warps, stages=options["num_stages"],
+        rows.append(dict(name=name, registers=registers, shared=shared, warps=warps, stages=options.get("num_stages"),
                          programs=programs_per_sm(registers, shared, warps), body=loop))
     return rows
 
