@@ -2,9 +2,10 @@
 
 The fused call of `longflow.kernels.longflow_attention` writes every slot's logits to a scratch in
 global memory inside its pipelined loop, and a second launch reads them back once the softmax
-statistics are final; that write stream keeps its pass 7-13% above cuDNN's decode attention from
-batch 16 on (docs/engine.md, "Issue 27's targets"). Triton keeps no shared memory past a loop, so this
-pass is written in Gluon (Triton's lower-level language; it has no interpreter and runs on a GPU only):
+statistics are final; that write stream keeps the call 7-13% above cuDNN's decode attention from
+batch 16 on, on an H100 (docs/engine.md, "Issue 27's targets"). Triton keeps no shared memory past a
+loop, so this pass is written in Gluon (Triton's lower-level language; it has no interpreter and runs
+on a GPU only):
 
 1. `_onchip_pass_kernel`, grid `(B * Hkv,)`: one program per KV head over all of the row's slots (no
    split), K/V through a ring of `stages` asynchronous copies, the products on the tensor cores (16
