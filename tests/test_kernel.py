@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from helpers.kernel_checks import DEVICE, assert_longflow, make_inputs  # noqa: E402
 
 from longflow.kernels import longflow_attention, reference  # noqa: E402
 from longflow.kernels.longflow_attention import LaunchConfig  # noqa: E402
@@ -22,54 +23,7 @@ from longflow.kernels.reference import longflow_scores  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-OUT_TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 GROUPS = {1: (2, 2), 4: (8, 2), 8: (16, 2)}  # G -> (q_heads, kv_heads)
-
-
-def make_inputs(batch, q_heads, kv_heads, slots, head_dim, dtype, mask, seed):
-    """Random q, k, v (never zeros) and a validity mask of the given kind."""
-    gen = torch.Generator().manual_seed(seed)
-    q = 2 * torch.randn(batch, q_heads, head_dim, generator=gen)  # peakier softmax than randn alone
-    k = torch.randn(batch, kv_heads, slots, head_dim, generator=gen)
-    v = torch.randn(batch, kv_heads, slots, head_dim, generator=gen)
-    if mask == "all_valid":
-        valid = torch.ones(batch, slots, dtype=torch.bool)
-    elif mask == "padding":  # left padding of a different length per row, never the whole row
-        pad = torch.randint(0, slots, (batch,), generator=gen)
-        valid = torch.arange(slots)[None, :] >= pad[:, None]
-    elif mask == "one_free":
-        valid = torch.ones(batch, slots, dtype=torch.bool)
-        valid[torch.arange(batch), torch.randint(0, slots, (batch,), generator=gen)] = False
-    else:
-        raise ValueError(mask)
-    to = dict(device=DEVICE)
-    return q.to(dtype=dtype, **to), k.to(dtype=dtype, **to), v.to(dtype=dtype, **to), valid.to(**to)
-
-
-def check(q, k, v, valid, out, next_slot, protect=None, score_rtol=1e-3):
-    """Output to the dtype's tolerance; next slot = the reference's, or tied with it in score."""
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert next_slot.shape == (q.shape[0],) and next_slot.dtype == torch.long
-    assert torch.isfinite(out).all()
-    ref_out, score = longflow_scores(q.float(), k.float(), v.float(), valid)  # float32 truth
-    error = (out.float() - ref_out).norm() / ref_out.norm()
-    assert error < OUT_TOLERANCE[q.dtype], f"relative error {error:.2e}"
-    _, expected = reference(q, k, v, valid, protect=protect)
-    score, next_slot, expected = score.cpu(), next_slot.cpu(), expected.cpu()
-    valid, protect = valid.cpu(), None if protect is None else protect.cpu()
-    for b in range(q.shape[0]):
-        got, want = int(next_slot[b]), int(expected[b])
-        if not valid[b].all() or got == want:
-            assert got == want, f"row {b}: a free slot exists, expected the lowest {want}, got {got}"
-            continue
-        assert valid[b, got], f"row {b}: chose invalid slot {got}"
-        if protect is not None and not protect[b].all():
-            assert not protect[b, got], f"row {b}: chose protected slot {got}"
-        tolerance = score_rtol * score[b, want] + 1e-6 * score[b].mean()
-        assert score[b, got] <= score[b, want] + tolerance, (
-            f"row {b}: slot {got} scores {score[b, got]:.6e}, the minimum is {score[b, want]:.6e} at {want}"
-        )
 
 
 CASES = [
@@ -89,7 +43,7 @@ def test_matches_reference(group, head_dim, mask):
     q_heads, kv_heads = GROUPS[group]
     q, k, v, valid = make_inputs(batch, q_heads, kv_heads, slots, head_dim, dtype, mask, seed=index)
     out, next_slot = longflow_attention(q, k, v, valid)
-    check(q, k, v, valid, out, next_slot)
+    assert_longflow(q, k, v, valid, out, next_slot)
 
 
 @pytest.mark.parametrize("batch", [1, 7])
@@ -130,7 +84,7 @@ def test_launch_configs(config, mask):
     """Every path: split attention with the combine step, split scores with the argmin step, fp16 scratch."""
     q, k, v, valid = make_inputs(3, 8, 2, 150, 64, torch.bfloat16, mask, seed=2000 + CONFIGS.index(config))
     out, next_slot = longflow_attention(q, k, v, valid, config=config)
-    check(q, k, v, valid, out, next_slot, score_rtol=rtol_for(config))
+    assert_longflow(q, k, v, valid, out, next_slot, score_rtol=rtol_for(config))
 
 
 def test_many_splits_combine_one_head_at_a_time():
@@ -138,7 +92,7 @@ def test_many_splits_combine_one_head_at_a_time():
     q, k, v, valid = make_inputs(1, 4, 2, 2048, 64, torch.bfloat16, "padding", seed=11)
     config = LaunchConfig(block_n=16, splits=128, score_splits=8, block_s=128)
     out, next_slot = longflow_attention(q, k, v, valid, config=config)
-    check(q, k, v, valid, out, next_slot)
+    assert_longflow(q, k, v, valid, out, next_slot)
 
 
 def test_strided_views_and_protect():
@@ -156,7 +110,7 @@ def test_strided_views_and_protect():
     protect[torch.arange(batch), score.argmin(dim=1)] = True  # the unprotected choice becomes illegal
     protect[1, 10] = True  # a free slot is chosen even if marked protected
     out, next_slot = longflow_attention(q, k, v, valid, protect=protect)
-    check(q, k, v, valid, out, next_slot, protect=protect)
+    assert_longflow(q, k, v, valid, out, next_slot, protect=protect)
     assert int(next_slot[1]) == 10
 
 
@@ -168,7 +122,7 @@ def test_padded_heads_and_dims(q_heads, kv_heads, head_dim, config):
     a group: the masks of the padding rows and dims, against the float32 reference."""
     q, k, v, valid = make_inputs(3, q_heads, kv_heads, 170, head_dim, torch.bfloat16, "padding", seed=head_dim)
     out, next_slot = longflow_attention(q, k, v, valid, config=config)
-    check(q, k, v, valid, out, next_slot)
+    assert_longflow(q, k, v, valid, out, next_slot)
 
 
 def test_rejects_bad_inputs():
@@ -192,7 +146,7 @@ def test_default_config_at_benchmark_shapes(batch, slots):
     q, k, v, valid = make_inputs(batch, 32, 8, slots, 128, torch.bfloat16, "padding", seed=batch + slots)
     config = default_config(batch, 8, 32, slots, 128, _multiprocessors(DEVICE), _l2_bytes(DEVICE))
     out, next_slot = longflow_attention(q, k, v, valid)
-    check(q, k, v, valid, out, next_slot, score_rtol=rtol_for(config))
+    assert_longflow(q, k, v, valid, out, next_slot, score_rtol=rtol_for(config))
     valid = torch.ones_like(valid)  # no free slot: the argmin over scores decides
     out, next_slot = longflow_attention(q, k, v, valid)
-    check(q, k, v, valid, out, next_slot, score_rtol=rtol_for(config))
+    assert_longflow(q, k, v, valid, out, next_slot, score_rtol=rtol_for(config))

@@ -16,18 +16,17 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from helpers.kernel_checks import DEVICE, assert_longflow, make_inputs  # noqa: E402
 
 pytest.importorskip("triton")
 
 from longflow.kernels import longflow_attention, scored_attention  # noqa: E402
 from longflow.kernels.longflow_attention import LaunchConfig  # noqa: E402
 from longflow.kernels.onchip import _onchip_argmin_kernel, tiling, unsupported  # noqa: E402
-from longflow.kernels.reference import longflow_scores, reference  # noqa: E402
 from longflow.selection import choose_next  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ONCHIP = LaunchConfig(onchip=True)
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -106,33 +105,6 @@ def test_the_launch_config_asks_for_what_it_can_do():
             longflow_attention(q, k, k, valid[:, 0], config=ONCHIP)
 
 
-def inputs(batch, slots, dtype, mask, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q = 2 * torch.randn(batch, Q_HEADS, HEAD_DIM, generator=gen)  # peakier than randn alone
-    k, v = (torch.randn(batch, KV_HEADS, slots, HEAD_DIM, generator=gen) for _ in range(2))
-    valid = torch.ones(batch, slots, dtype=torch.bool)
-    if mask == "padding":
-        valid = torch.arange(slots)[None, :] >= torch.randint(0, slots, (batch,), generator=gen)[:, None]
-    elif mask == "one_free":
-        valid[torch.arange(batch), torch.randint(0, slots, (batch,), generator=gen)] = False
-    return (*(t.to(DEVICE, dtype) for t in (q, k, v)), valid.to(DEVICE))
-
-
-def assert_longflow(q, k, v, valid, out, next_slot, protect=None, score_rtol=1e-2):
-    """Output against float32; the next slot the reference's, or within `score_rtol` of its score (the
-    fp16 scratch's rounding)."""
-    truth, score = longflow_scores(q.float(), k.float(), v.float(), valid)
-    assert (out.float() - truth).norm() / truth.norm() < 1e-2
-    _, expected = reference(q, k, v, valid, protect=protect)
-    for b in range(q.shape[0]):
-        got, want = int(next_slot[b]), int(expected[b])
-        if got == want:
-            continue
-        assert valid[b].all(), f"row {b}: a free slot exists, expected the lowest {want}, got {got}"
-        assert protect is None or not protect[b, got], f"row {b}: chose protected slot {got}"
-        assert score[b, got] <= score[b, want] * (1 + score_rtol), f"row {b}: slot {got}, not {want}"
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,slots,dtype,mask", [
     (3, 100, torch.bfloat16, "padding"),  # a partial 32-slot tile
@@ -142,9 +114,9 @@ def assert_longflow(q, k, v, valid, out, next_slot, protect=None, score_rtol=1e-
     (2, 8192, torch.bfloat16, "padding"),  # the most slots the scratch holds
 ])
 def test_longflow_attention_on_chip(batch, slots, dtype, mask):
-    q, k, v, valid = inputs(batch, slots, dtype, mask, seed=slots)
+    q, k, v, valid = make_inputs(batch, Q_HEADS, KV_HEADS, slots, HEAD_DIM, dtype, mask, seed=slots)
     out, next_slot = longflow_attention(q, k, v, valid, config=ONCHIP)
-    assert_longflow(q, k, v, valid, out, next_slot)
+    assert_longflow(q, k, v, valid, out, next_slot, score_rtol=1e-2)  # the fp16 scratch's rounding
 
 
 @pytest.mark.gpu
@@ -152,7 +124,7 @@ def test_scored_attention_on_chip_with_protection_and_masks_per_head():
     """Each head attends over its own slots; the row's selection reads head 0's masks; every column
     of a strided next-slot buffer gets it. Against the Triton call, which the reference tests cover."""
     batch, slots = 6, 500
-    q, k, v, _ = inputs(batch, slots, torch.bfloat16, "all_valid", seed=1)
+    q, k, v, _ = make_inputs(batch, Q_HEADS, KV_HEADS, slots, HEAD_DIM, torch.bfloat16, "all_valid", seed=1)
     gen = torch.Generator().manual_seed(2)
     valid = (torch.rand(batch, KV_HEADS, slots, generator=gen) > 0.1).to(DEVICE)
     valid[1::2] = True  # rows whose next slot is chosen by score

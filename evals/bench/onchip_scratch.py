@@ -36,33 +36,21 @@ def onchip_call(q, k, v, valid, scale: float, **options):
     return call
 
 
-def float32_reference(q, k, v, valid, scale: float):
-    """(out `[B, Hq, D]`, score `[B, S]`, next slot `[B]`) in float32: LongFlow's score
-    `sum_h p_hj ||v_j||_1` over every query head, free slots first, the lowest index among ties."""
-    batch, q_heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    group = q_heads // kv_heads
-    qf = q.float().view(batch, kv_heads, group, head_dim)
-    logits = torch.einsum("bhgd,bhsd->bhgs", qf, k.float()) * scale
-    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
-    p = logits.softmax(-1)  # [B, Hkv, G, S]
-    out = torch.einsum("bhgs,bhsd->bhgd", p, v.float()).reshape(batch, q_heads, head_dim)
-    score = (p * v.float().abs().sum(-1)[:, :, None, :]).sum((1, 2))  # [B, S]
-    key = torch.where(valid, score, torch.full_like(score, -1.0))
-    return out, score, key.argmin(-1)
-
-
 def check(batch: int, slots: int, device: torch.device, tie: float = 0.02, **options) -> str:
-    """Output and chosen slot against `float32_reference`; a chosen slot other than the reference's
-    passes if its score is within `tie` (relative) of the minimum (the fp16 scratch's rounding)."""
+    """Output and chosen slot against the library's reference in float32 (`longflow_scores`,
+    `choose_next`); a chosen slot other than the reference's passes if its score is within `tie`
+    (relative) of the minimum (the fp16 scratch's rounding)."""
     from evals.bench.attention import HEAD_DIM, make_cache
+    from longflow.kernels.reference import longflow_scores
+    from longflow.selection import choose_next
 
     q, k, v, valid = make_cache(batch, slots, device, seed=1)
     valid[::2] = True  # rows without free slots, whose next slot is chosen by its score
     scale = HEAD_DIM**-0.5
     name = f"batch {batch}, {slots} slots, {options}"
     out, next_slot = onchip_call(q, k, v, valid, scale, **options)()
-    ref_out, ref_score, ref_next = float32_reference(q, k, v, valid, scale)
+    ref_out, ref_score = longflow_scores(q.float(), k.float(), v.float(), valid, scale)
+    ref_next = choose_next(ref_score, valid)
     out_err = (out.float() - ref_out).abs().max().item()
     chosen = ref_score.gather(1, next_slot[:, None])[:, 0]
     best = ref_score.gather(1, ref_next[:, None])[:, 0]

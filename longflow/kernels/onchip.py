@@ -29,6 +29,7 @@ Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, D head d
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -42,9 +43,9 @@ from triton.experimental import gluon  # noqa: E402
 from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2  # noqa: E402
 
+from longflow.kernels.longflow_attention import LOG2E, _mask_strides  # noqa: E402
 from longflow.kernels.reductions import reduce_min, reduce_sum  # noqa: E402
 
-LOG2E = 1.4426950408889634
 MAX_SLOTS = 8192  # the compact scratch and two stages of 32-slot tiles: two programs a multiprocessor
 GROUP = 4
 HEAD_DIM = 128
@@ -231,9 +232,9 @@ def tiling(slots: int) -> tuple[int, int]:
     return (64 if 2048 < slots <= 4096 else 32), 2
 
 
-def _head_zero(mask: torch.Tensor) -> torch.Tensor:
-    """`[B, S]` of a `[B, S]` or `[B, Hkv, S]` mask: head 0's, which a selection the heads share reads."""
-    return mask[:, 0] if mask.dim() == 3 else mask
+@functools.cache  # asked per layer and step when not under a CUDA graph
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
@@ -252,7 +253,7 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None
         # which it learns from strides that Triton's launch marks divisible by 16 (elements).
         if tensor.stride(-1) != 1 or tensor.data_ptr() % 16 or any(s % 16 for s in tensor.stride()[:-1]):
             return f"{name} needs a contiguous head dim and strides that are multiples of 16"
-    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device) < (8, 0):
+    if q.device.type == "cuda" and _capability(q.device) < (8, 0):
         return "it needs an sm_80 or newer GPU"
     return None
 
@@ -268,9 +269,10 @@ def onchip_attention(q, k, v, valid, next_slot, scale: float, protect=None, *, s
     kv_heads, slots = k.shape[1], k.shape[2]
     block_n, stages = tile or tiling(slots)
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)
-    part = torch.empty(batch, kv_heads, slots, dtype=torch.float32, device=q.device)
+    # The partial scores; without the score the pointer is never touched.
+    part = torch.empty(batch, kv_heads, slots, dtype=torch.float32, device=q.device) if score else out
     valid_u8 = valid.view(torch.uint8)
-    valid_strides = valid_u8.stride() if valid.dim() == 3 else (valid_u8.stride(0), 0, valid_u8.stride(1))
+    valid_strides = _mask_strides(valid_u8)
     _onchip_pass_kernel[(batch * kv_heads,)](
         q, k, v, valid_u8, out, part, *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], *valid_strides,
         slots, scale * LOG2E,
@@ -279,10 +281,12 @@ def onchip_attention(q, k, v, valid, next_slot, scale: float, protect=None, *, s
     )
     if not score:
         return out
-    valid0 = _head_zero(valid_u8)
-    protect0 = _head_zero(protect.view(torch.uint8)) if protect is not None else valid0
+    # The selection reads head 0's masks: the masks' own (batch, slot) strides from their start.
+    protect_u8 = protect.view(torch.uint8) if protect is not None else valid_u8
+    protect_strides = _mask_strides(protect_u8)
     _onchip_argmin_kernel[(batch,)](
-        part, valid0, protect0, next_slot, *valid0.stride(), *protect0.stride(), *next_slot.stride(), slots,
+        part, valid_u8, protect_u8, next_slot, valid_strides[0], valid_strides[2], protect_strides[0],
+        protect_strides[2], *next_slot.stride(), slots,
         KV_HEADS=kv_heads, KV_HEADS_PAD=triton.next_power_of_2(kv_heads), WRITE_HEADS=next_slot.shape[1],
         WRITE_HEADS_PAD=max(2, triton.next_power_of_2(next_slot.shape[1])), HAS_PROTECT=protect is not None,
         BLOCK=1024, num_warps=8,
