@@ -11,6 +11,7 @@ import pytest
 from helpers import SM90_TRITONS, sm90_process
 
 from evals.bench.sass_loop import main_loop
+from longflow.kernels.onchip import REGISTERS, shared_bytes
 
 pytest.importorskip("triton")
 
@@ -42,7 +43,7 @@ def test_the_loop_is_the_longest_backward_branch_with_products():
 @pytest.mark.parametrize("triton", list(SM90_TRITONS))
 def test_the_attention_loops_machine_code(triton):
     rows = {row["name"]: row for row in run(triton, "--batch", "16", "--slots", "320")}
-    assert set(rows) == {"LongFlow", "H2O", "flash_decode", "on chip"}
+    assert set(rows) == {"LongFlow", "H2O", "flash_decode", "on chip", "on chip 32"}
     for row in rows.values():
         assert row["body"]["instructions"] > 100 and min(row["programs"].values()) >= 1
     longflow = rows["LongFlow"]["body"]
@@ -55,3 +56,8 @@ def test_the_attention_loops_machine_code(triton):
     assert on_chip["body"]["kinds"]["STG"] == 0 and on_chip["body"]["kinds"]["LDGSTS"] > 0
     assert on_chip["body"]["mufu"].get("LG2", 0) > 0 and on_chip["body"]["kinds"]["STS"] > 0
     assert min(on_chip["programs"].values()) >= 2
+    # `onchip.tiling` counts resident programs from the pass's shared memory and registers: the compiler's.
+    for name, block_n in (("on chip", 64), ("on chip 32", 32)):
+        assert rows[name]["shared"] == shared_bytes(block_n, 2, 320)
+        if triton == "gpu image":  # the registers of the Triton that runs the pass on the GPU
+            assert rows[name]["registers"] == REGISTERS[block_n]

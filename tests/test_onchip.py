@@ -21,13 +21,25 @@ from helpers.kernel_checks import DEVICE, assert_longflow, make_inputs  # noqa: 
 pytest.importorskip("triton")
 
 from longflow.kernels import longflow_attention, scored_attention  # noqa: E402
-from longflow.kernels.longflow_attention import LaunchConfig  # noqa: E402
-from longflow.kernels.onchip import _onchip_argmin_kernel, tiling, unsupported  # noqa: E402
+from longflow.kernels.longflow_attention import (  # noqa: E402
+    LaunchConfig,
+    _memory_bandwidth,
+    call_config,
+    default_config,
+)
+from longflow.kernels.onchip import (  # noqa: E402
+    _onchip_argmin_kernel,
+    resident_programs,
+    shared_bytes,
+    tiling,
+    unsupported,
+)
 from longflow.selection import choose_next  # noqa: E402
 
 pytestmark = pytest.mark.kernels
 
-ONCHIP = LaunchConfig(onchip=True)
+ONCHIP = LaunchConfig(onchip=True, block_n=64, num_stages=2)
+SMS, H100_BYTES_S, H200_BYTES_S = 132, 3.35e12, 4.8e12
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
@@ -72,8 +84,43 @@ def test_the_row_argmin_is_the_shared_rule_over_head_zero():
     assert (one_column[:, 1] == -1).all()  # only the buffer's own column
 
 
-def test_tiling():
-    assert tiling(3200) == (64, 2) and tiling(1024) == (32, 2) and tiling(8192) == (32, 2)
+def test_resident_programs_are_the_compilers():
+    """Shared memory as Triton 3.6 compiled the pass for sm_90 (longflow/kernels/NOTES.md), and the
+    programs a multiprocessor holds: 64-slot tiles two up to 5120 slots (registers), one from 6144
+    (shared memory); 32-slot tiles three up to 4096 slots (registers), two from 5120."""
+    assert shared_bytes(64, 2, 1024) == 76032 and shared_bytes(32, 2, 8192) == 103424
+    assert shared_bytes(64, 2, 3200) == 93984 and shared_bytes(64, 2, 8192) == 135168
+    assert [resident_programs(64, 2, slots) for slots in (1024, 5120, 6144, 8192)] == [2, 2, 1, 1]
+    assert [resident_programs(32, 2, slots) for slots in (1024, 4096, 5120, 8192)] == [3, 3, 2, 2]
+
+
+@pytest.mark.parametrize("batch,slots,h100,h200", [
+    (64, 3072, (64, 2), (64, 2)),  # 512 programs: two waves of 264, nearly full
+    (128, 1024, (64, 2), (64, 2)),
+    (32, 5120, (64, 2), (64, 2)),  # 256 programs in one wave of 264
+    (48, 3072, (32, 2), (32, 2)),  # 384: one wave of 396 with three 32-slot programs a multiprocessor
+    (48, 5120, None, None),  # 384 in two waves of 264: 73% full
+    (128, 8192, (32, 2), None),  # 32 KB in flight a multiprocessor: enough for an H100 only
+    (16, 1024, None, None),  # 128 programs: one a multiprocessor
+])
+def test_tiling_follows_the_sweeps(batch, slots, h100, h200):
+    """The sweeps' winners (longflow/kernels/NOTES.md, "Which tile, on which card"), at 8 KV heads on
+    132 multiprocessors; None where the Triton call was the faster."""
+    assert tiling(batch * KV_HEADS, slots, SMS, H100_BYTES_S) == h100
+    assert tiling(batch * KV_HEADS, slots, SMS, H200_BYTES_S) == h200
+
+
+def test_default_config_asks_for_the_pass_only_where_it_can_take_the_call():
+    shape = (64, KV_HEADS, Q_HEADS, 3072, HEAD_DIM, SMS)
+    assert default_config(*shape, onchip_bandwidth=H200_BYTES_S) == LaunchConfig(block_n=64, num_stages=2, onchip=True)
+    assert not default_config(*shape).onchip  # the caller found that the pass cannot take the inputs
+    assert not default_config(16, *shape[1:], onchip_bandwidth=H200_BYTES_S).onchip
+    q = torch.zeros(64, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.zeros(64, KV_HEADS, 3072, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
+    assert not call_config(q.float(), k.float(), k.float()).onchip  # float32: the Triton call
+    assert not call_config(q, k, k, per_kv_head=True).onchip
+    if not torch.cuda.is_available():
+        assert not call_config(q, k, k).onchip  # no Gluon without a GPU
 
 
 def test_what_the_pass_cannot_take():
@@ -106,17 +153,36 @@ def test_the_launch_config_asks_for_what_it_can_do():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_n", [64, 32])
 @pytest.mark.parametrize("batch,slots,dtype,mask", [
-    (3, 100, torch.bfloat16, "padding"),  # a partial 32-slot tile
-    (2, 3200, torch.bfloat16, "all_valid"),  # 64-slot tiles
+    (3, 100, torch.bfloat16, "padding"),  # a partial tile
+    (2, 3200, torch.bfloat16, "all_valid"),
     (5, 777, torch.float16, "one_free"),
     (40, 2000, torch.bfloat16, "all_valid"),
     (2, 8192, torch.bfloat16, "padding"),  # the most slots the scratch holds
 ])
-def test_longflow_attention_on_chip(batch, slots, dtype, mask):
+def test_longflow_attention_on_chip(batch, slots, dtype, mask, block_n):
     q, k, v, valid = make_inputs(batch, Q_HEADS, KV_HEADS, slots, HEAD_DIM, dtype, mask, seed=slots)
-    out, next_slot = longflow_attention(q, k, v, valid, config=ONCHIP)
+    out, next_slot = longflow_attention(q, k, v, valid, config=LaunchConfig(onchip=True, block_n=block_n,
+                                                                            num_stages=2))
     assert_longflow(q, k, v, valid, out, next_slot, score_rtol=1e-2)  # the fp16 scratch's rounding
+
+
+@pytest.mark.gpu
+def test_the_default_call_takes_the_pass_where_its_tiling_says():
+    """Without a config the call asks `tiling` (on a 132-multiprocessor H100/H200 it takes the pass at
+    this shape) and its result is still LongFlow's."""
+    batch, slots = 64, 1024
+    q, k, v, valid = make_inputs(batch, Q_HEADS, KV_HEADS, slots, HEAD_DIM, torch.bfloat16, "one_free", seed=3)
+    valid[::2] = True
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    expected = tiling(batch * KV_HEADS, slots, sms, _memory_bandwidth(DEVICE))
+    config = call_config(q, k, v)
+    assert config.onchip == (expected is not None)
+    if sms == SMS:
+        assert config == LaunchConfig(block_n=64, num_stages=2, onchip=True)
+    out, next_slot = longflow_attention(q, k, v, valid)
+    assert_longflow(q, k, v, valid, out, next_slot, score_rtol=1e-2)
 
 
 @pytest.mark.gpu

@@ -18,7 +18,8 @@ Methods, on the same random cache at Qwen3-8B shapes (32 query heads, 8 KV heads
   - `h2o`: `longflow.attention.decode_attention` plus what H2O adds per step: the probabilities
     summed over each KV head's group, added into a running `[B, Hkv, S]` float32 score, and the
     next slot by the selection rule of every method (`longflow.selection.choose_next`).
-  - `longflow_fused`: the Triton kernel (`longflow.kernels.longflow_attention`).
+  - `longflow_fused`: `longflow.kernels.longflow_attention` as it chooses: the Triton call, or where
+    `longflow.kernels.onchip.tiling` expects it faster the on-chip pass (the CSV's backend `gluon`).
   - `longflow_reference`: its plain PyTorch reference.
   - `flash_decode`: vanilla's decode attention (`longflow.kernels.flash_decode`), every slot filled.
 Timed only when named in `--methods` (not in Figure 1): vanilla's whole step of one layer at a full
@@ -231,6 +232,7 @@ def floor_bytes(batch: int, slots: int) -> int:
 def method_calls(method: str, q, k, v, valid):
     """`(call, backend)` of one method on one input set."""
     from longflow.kernels import flash_decode, longflow_attention
+    from longflow.kernels.longflow_attention import call_config
 
     scale = HEAD_DIM**-0.5
     if method.startswith("sdpa"):
@@ -242,8 +244,8 @@ def method_calls(method: str, q, k, v, valid):
         return vanilla_step_call(q, k, v, valid, one_launch=method == "vanilla_step_one_launch"), "triton"
     if method == "h2o":
         return h2o_call(q, k, v, valid), "torch"
-    if method == "longflow_fused":
-        return (lambda: longflow_attention(q, k, v, valid, scale)), "triton"
+    if method == "longflow_fused":  # the library's choice: the Triton call or the on-chip pass (Gluon)
+        return (lambda: longflow_attention(q, k, v, valid, scale)), "gluon" if call_config(q, k, v).onchip else "triton"
     return (lambda: reference(q, k, v, valid, scale)), "torch"
 
 
@@ -375,7 +377,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def heuristic_config(batch: int, slots: int, device: torch.device):
-    """The kernels' own `LaunchConfig` at this shape on `device`, the point the sweeps vary around."""
+    """The Triton call's own `LaunchConfig` at this shape on `device`, the point the sweeps vary around
+    (never the on-chip pass, which `default_config` is asked for only where the inputs allow it)."""
     from longflow.kernels.longflow_attention import _l2_bytes, _multiprocessors, default_config
 
     return default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, _multiprocessors(device), _l2_bytes(device))

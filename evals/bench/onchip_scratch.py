@@ -1,9 +1,11 @@
 """The on-chip LongFlow pass (`longflow.kernels.onchip`, `LaunchConfig(onchip=True)`) against float32,
-then timed against cuDNN's decode attention, `flash_decode` and the Triton fused call at each tile size
-and stage count, in one process (CUDA graphs over input sets that overflow L2, replays in turns).
+then timed against cuDNN's decode attention, `flash_decode`, the library's fused call as it chooses
+(`longflow_fused`) and its Triton call (`triton_fused`), at each tile size and stage count, in one
+process (CUDA graphs over input sets that overflow L2, replays in turns).
 
     python -m evals.bench.onchip_scratch            # checks, then times (CUDA GPU)
     python -m evals.bench.onchip_scratch --no-check --batches 128 64 256 --slots 3200 1024 8192 1744
+    python -m evals.bench.onchip_scratch --no-check --tiles 32x2 64x2 --batches 64 --slots 2560 3584  # a sweep
 
 The pass keeps LongFlow's score scratch in shared memory (Gluon) where the Triton call writes it to
 global memory inside its loop. Results and what they mean: longflow/kernels/NOTES.md, "The scratch
@@ -14,13 +16,13 @@ while the pass was an experiment in this module, before it moved into the librar
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 
-# The configurations `main` times: (slots a tile, stages), `tiling`'s choice, and the pass without a score.
-TIMED = {f"onchip{block_n}_s{stages}": dict(tile=(block_n, stages)) for block_n in (64, 32) for stages in (2, 3)}
-TIMED["onchip"] = dict()
-TIMED["no_score64_s2"] = dict(tile=(64, 2), score=False)
+# The pass's configurations `main` times by default: <slots a tile>x<stages>, and the pass without a score.
+TIMED = {f"onchip{block_n}x{stages}": dict(block_n=block_n, stages=stages) for block_n in (64, 32) for stages in (2, 3)}
+TIMED["no_score64x2"] = dict(block_n=64, stages=2, score=False)
 
 
 def onchip_call(q, k, v, valid, scale: float, **options):
@@ -62,20 +64,33 @@ def check(batch: int, slots: int, device: torch.device, tie: float = 0.02, **opt
             f"{'all' if within else 'NOT all'} within {tie:.0%} of the minimum score: {'ok' if ok else 'FAILED'}")
 
 
+def parse_tile(text: str) -> dict:
+    """"64x2" -> `onchip_attention`'s options for 64-slot tiles and 2 stages; "64x2w8" with 8 warps."""
+    match = re.fullmatch(r"(\d+)x(\d+)(?:w(\d+))?", text)
+    if match is None:
+        raise SystemExit(f"--tiles takes SLOTSxSTAGES[wWARPS] such as 64x2 or 64x2w8, not {text!r}")
+    block_n, stages, warps = match.groups()
+    return dict(block_n=int(block_n), stages=int(stages), warps=int(warps or 4))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[128, 64, 16])
     parser.add_argument("--slots", type=int, nargs="+", default=[3200, 1024, 8192])
     parser.add_argument("--no-check", action="store_true", help="time only, without the checks against float32")
+    parser.add_argument("--tiles", nargs="+", metavar="SLOTSxSTAGES[wWARPS]",
+                        help="time the pass at these tilings only (e.g. 32x2 64x2w8), instead of TIMED's")
     args = parser.parse_args()
-    from evals.bench.attention import HEAD_DIM, cache_sets, interleaved_ms, method_calls
+    timed = TIMED if not args.tiles else {f"onchip{t}": parse_tile(t) for t in args.tiles}
+    from evals.bench.attention import HEAD_DIM, cache_sets, heuristic_config, interleaved_ms, method_calls
     from evals.bench.common import require_cuda
+    from longflow.kernels import longflow_attention
 
     require_cuda("evals.bench.onchip_scratch")
     device = torch.device("cuda")
     for batch in [] if args.no_check else args.batches:
         for slots in args.slots:
-            for options in (dict(), dict(tile=(32, 2)), dict(tile=(64, 2))):
+            for options in (dict(block_n=64), dict(block_n=32)):
                 print(check(batch, slots, device, **options), flush=True)
     scale = HEAD_DIM**-0.5
     for batch in args.batches:
@@ -83,7 +98,9 @@ def main() -> None:
             sets = cache_sets(batch, slots, device)
             methods = {name: [method_calls(name, *s)[0] for s in sets]
                        for name in ("sdpa_cudnn", "flash_decode", "longflow_fused")}
-            methods |= {name: [onchip_call(*s, scale, **options) for s in sets] for name, options in TIMED.items()}
+            triton = heuristic_config(batch, slots, device)  # the Triton call, whatever the default
+            methods["triton_fused"] = [lambda s=s, c=triton: longflow_attention(*s, scale, config=c) for s in sets]
+            methods |= {name: [onchip_call(*s, scale, **options) for s in sets] for name, options in timed.items()}
             times = interleaved_ms(methods)
             cudnn = times["sdpa_cudnn"]
             print(f"batch {batch:>3}, {slots:>4} slots: cuDNN {cudnn:.4f} ms; x cuDNN: "

@@ -4,7 +4,7 @@
     python -m evals.bench.sass_loop --batch 16 --slots 8192
 
 For each way the attention pass runs (LongFlow's fused call, H2O's bare-logit pass, `flash_decode`,
-and LongFlow's pass with its scratch on chip, `longflow.kernels.onchip` at its `tiling`), at the
+and LongFlow's pass with its scratch on chip, `longflow.kernels.onchip` at 64- and 32-slot tiles), at the
 kernels' heuristic configuration for the shape (Qwen3-8B heads, bf16): the registers and
 shared memory of a program, how many programs fit a multiprocessor by each (the fewer decides), and
 the instructions of one iteration of the loop over K/V tiles by kind: the tensor-core products
@@ -27,7 +27,6 @@ import re
 import torch
 
 KINDS = ("HMMA", "BAR", "LDS", "LDSM", "STS", "STG", "LDGSTS", "SHFL", "MUFU", "FFMA", "FMUL", "FADD")
-REGISTERS_PER_SM, SHARED_PER_SM, SHARED_RESERVED, WARPS_PER_SM = 65536, 233472, 1024, 64  # sm_90
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Qwen3-8B
 
 
@@ -58,15 +57,6 @@ def main_loop(sass: str) -> Loop:
     return Loop(len(body), {kind: kinds[kind] for kind in KINDS}, dict(mufu))
 
 
-def programs_per_sm(registers: int, shared: int, warps: int) -> dict[str, int]:
-    """Resident programs a multiprocessor holds, by registers (allocated 256 a warp at a time), shared
-    memory (with the 1 KB each program reserves) and warps."""
-    per_warp = -(-registers * 32 // 256) * 256
-    return {"registers": REGISTERS_PER_SM // (per_warp * warps),
-            "shared": SHARED_PER_SM // (shared + SHARED_RESERVED),
-            "warps": WARPS_PER_SM // warps}
-
-
 def attention_calls(batch: int, slots: int):
     """(name, zero-argument host call) of each attention pass at this shape."""
     from evals.bench.aot import L2_BYTES, SMS  # first: the kernels defined for the compiler
@@ -85,13 +75,16 @@ def attention_calls(batch: int, slots: int):
             ("H2O", lambda: scored_attention(q, k, v, valid, next_slot, score="accumulated", per_kv_head=True,
                                              received=received, config=config)),
             ("flash_decode", lambda: flash_decode(q, k, v, valid[:, 0], lengths, config=config)),
-            ("on chip", lambda: onchip_attention(q, k, v, valid[:, 0], next_slot[:, :1], HEAD_DIM**-0.5))]
+            ("on chip", lambda: onchip_attention(q, k, v, valid[:, 0], next_slot[:, :1], HEAD_DIM**-0.5)),
+            ("on chip 32", lambda: onchip_attention(q, k, v, valid[:, 0], next_slot[:, :1], HEAD_DIM**-0.5,
+                                                    block_n=32))]
 
 
 def describe(batch: int, slots: int) -> list[dict]:
     """Each pass's row of the table (`main`), compiled in this process: the first import of the kernels
     here must be `evals.bench.aot`'s."""
     from evals.bench.aot import compile_launch, cuobjdump, record_launches
+    from longflow.kernels.occupancy import programs_per_sm
 
     rows = []
     for name, call in attention_calls(batch, slots):

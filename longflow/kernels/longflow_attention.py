@@ -473,8 +473,8 @@ class LaunchConfig:
     prefetch: bool = True  # load the validity mask one tile ahead in the attention pass
     vnorm: str = "mma"  # ||v||_1 as ones @ |v|^T on the tensor cores ("mma") or a reduction ("reduce")
     l2_hints: bool = True  # K/V loaded `evict_first`, the scratch stored `evict_last`
-    # LongFlow's score with its scratch on chip (`longflow.kernels.onchip`, Gluon); the fields above
-    # are then unused. Not chosen by `default_config` yet.
+    # LongFlow's score with its scratch on chip (`longflow.kernels.onchip`, Gluon). Its pass then takes
+    # `block_n`, `num_stages` and `num_warps`; the other fields are unused.
     onchip: bool = False
 
     def __post_init__(self):
@@ -504,13 +504,32 @@ def _l2_bytes(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).L2_cache_size
 
 
+@functools.cache
+def _memory_bandwidth(device: torch.device) -> float:
+    """The device memory's peak bytes/s from its clock and bus width (two transfers a clock); an
+    H200's 4.8e12 where this torch does not report them, which makes `onchip.tiling` the stricter."""
+    properties = torch.cuda.get_device_properties(device)
+    clock_khz = getattr(properties, "memory_clock_rate", 0)
+    bus_bits = getattr(properties, "memory_bus_width", 0)
+    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else 4.8e12
+
+
 @functools.cache  # called per layer and decode step when not under a CUDA graph
 def default_config(
     batch: int, kv_heads: int, q_heads: int, slots: int, head_dim: int, sms: int, l2_bytes: int = 50 * 2**20,
-    selections: int = 1,
+    selections: int = 1, onchip_bandwidth: float | None = None,
 ) -> LaunchConfig:
     """Heuristic launch configuration; constants from H200 sweeps (longflow/kernels/NOTES.md).
-    `selections`: next slots chosen per row (1 when the KV heads share one, `kv_heads` otherwise)."""
+    `selections`: next slots chosen per row (1 when the KV heads share one, `kv_heads` otherwise).
+    `onchip_bandwidth`: the device memory's bytes/s where the call can take the on-chip pass
+    (`longflow.kernels.onchip.unsupported` None, LongFlow's score, one selection), else None; the
+    pass is then chosen where `onchip.tiling` expects it faster."""
+    if onchip_bandwidth is not None:
+        from longflow.kernels import onchip  # Gluon, which the rest does not need
+
+        tile = onchip.tiling(batch * kv_heads, slots, sms, onchip_bandwidth)
+        if tile is not None:
+            return LaunchConfig(block_n=tile[0], num_stages=tile[1], onchip=True)
     block_n = 64
     programs = batch * kv_heads
     # Attention pass: split the slots (down to one tile per program) until about 2 programs per
@@ -731,12 +750,11 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
         epilogue = Epilogue(SCORES["longflow"], False, torch.empty(batch, 1, dtype=torch.long, device=q.device))
     per_kv_head = epilogue.per_kv_head
     selections = kv_heads if per_kv_head else 1
-    if config is None:
-        config = default_config(batch, kv_heads, q_heads, slots, head_dim, _multiprocessors(q.device),
-                                _l2_bytes(q.device), selections)
     score = epilogue.score
+    if config is None:
+        config = call_config(q, k, v, score, per_kv_head)
     if config.onchip:
-        return _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only)
+        return _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only, config)
 
     # Whole tiles per split; the split counts actually launched follow from the rounding.
     chunk, splits = _even_split(slots, config.splits, config.block_n)
@@ -806,7 +824,28 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
     return out
 
 
-def _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only):
+def call_config(q, k, v, score: Score | None = None, per_kv_head: bool = False) -> LaunchConfig:
+    """`default_config` for a call on these inputs with this score (LongFlow's when None): what a
+    `config` of None means."""
+    batch, q_heads, head_dim = q.shape
+    _, kv_heads, slots, _ = k.shape
+    onchip_bandwidth = None
+    if (score is None or score == SCORES["longflow"]) and not per_kv_head and _onchip_takes(q, k, v):
+        onchip_bandwidth = _memory_bandwidth(q.device)
+    return default_config(batch, kv_heads, q_heads, slots, head_dim, _multiprocessors(q.device), _l2_bytes(q.device),
+                          kv_heads if per_kv_head else 1, onchip_bandwidth)
+
+
+def _onchip_takes(q, k, v) -> bool:
+    """Whether the on-chip pass can take these inputs (on a CUDA GPU: it has no interpreter)."""
+    if not q.is_cuda:
+        return False
+    from longflow.kernels import onchip
+
+    return onchip.unsupported(q, k, v) is None
+
+
+def _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only, config):
     """`_run` through `longflow.kernels.onchip` (imported here: it needs Gluon, which the rest does not)."""
     from longflow.kernels import onchip
 
@@ -817,7 +856,8 @@ def _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only):
     reason = onchip.unsupported(q, k, v)
     if reason is not None:
         raise ValueError(f"LaunchConfig(onchip=True): the on-chip pass cannot take these inputs: {reason}")
-    return onchip.onchip_attention(q, k, v, valid, epilogue.next_slot, scale, protect, score=not attention_only)
+    return onchip.onchip_attention(q, k, v, valid, epilogue.next_slot, scale, protect, score=not attention_only,
+                                   block_n=config.block_n, stages=config.num_stages, warps=config.num_warps)
 
 
 def _head_tile(heads_per_part: int, splits_pad: int, head_dim_pad: int) -> int:

@@ -17,10 +17,11 @@ on a GPU only):
    selection rule (`longflow.selection.choose_next`: the lowest free slot, else the unprotected valid
    slot of lowest score, ties to the lowest index), written to every KV head's next slot.
 
-Measured on an H100 (longflow/kernels/NOTES.md, "The scratch on chip"): 1.03-1.08x cuDNN from batch 64
-on, where the Triton call is 1.10-1.15x; at batch 16 (one program a multiprocessor) slower than it.
-It is used where `LaunchConfig.onchip` asks for it; `default_config` does not yet (its GPU tests and a
-denser sweep of the tile choice first). What it covers: LongFlow's score with one selection a row,
+Where its programs fill the GPU's resident places in whole waves it is 1.03-1.08x cuDNN on an H100
+and 1.07-1.11x on an H200, where the Triton call is 1.10-1.15x and 1.12-1.32x; with one program a
+multiprocessor or a part-empty last wave it is slower than the Triton call (longflow/kernels/NOTES.md,
+"The scratch on chip", "Which tile, on which card"). `default_config` asks for it (`LaunchConfig.onchip`)
+where `tiling` expects it faster. What it covers: LongFlow's score with one selection a row,
 16-bit K/V with the head dim contiguous, head dim 128, G = 4 (the compact rows are taken out of the
 MMA's tile by in-thread reshapes for that G), up to 8192 slots (the scratch's shared memory).
 
@@ -44,6 +45,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2  # noqa: E402
 
 from longflow.kernels.longflow_attention import LOG2E, _mask_strides  # noqa: E402
+from longflow.kernels.occupancy import programs_per_sm  # noqa: E402
 from longflow.kernels.reductions import reduce_min, reduce_sum  # noqa: E402
 
 MAX_SLOTS = 8192  # the compact scratch and two stages of 32-slot tiles: two programs a multiprocessor
@@ -225,11 +227,48 @@ def _onchip_argmin_kernel(
              mask=offs_w < WRITE_HEADS)
 
 
-def tiling(slots: int) -> tuple[int, int]:
-    """(slots a tile, stages) by the H100 sweep (`results/engine/onchip_scratch_sweep_h100.txt`): two
-    stages; 64-slot tiles between 2048 and 4096 slots (32-slot tiles made three programs a
-    multiprocessor there and ran 1.06-1.29x cuDNN), 32-slot tiles elsewhere."""
-    return (64 if 2048 < slots <= 4096 else 32), 2
+# The compiled pass's registers a thread at 4 warps, by slots a tile (Triton 3.6 for sm_90, the GPU
+# image's; `tests/test_bench_sass_loop.py` holds them to its cubin).
+REGISTERS = {32: 136, 64: 176}
+# The bytes one multiprocessor's programs have in flight (the stage being copied, K and V) must cover
+# its share of the memory bandwidth for this long. Fitted to the sweeps of both cards
+# (longflow/kernels/NOTES.md, "Which tile, on which card"): 32 KB in flight keeps an H100's 25 GB/s a
+# multiprocessor fed (1.04-1.07x cuDNN at 8192 slots) but not an H200's 36 (1.28x); 48 KB does.
+LATENCY_S = 1.1e-6
+WAVE_FILL = 0.9  # the last wave's share of busy program places: each program is one whole row's work
+PIPELINE_STAGES = 2  # at each of the 12 points of the first sweep the best tiling had two
+
+
+def shared_bytes(block_n: int, stages: int, slots: int) -> int:
+    """The pass's shared memory with the score: the K/V stages, the fp16 scratch of G rows and each
+    tile's G maxima, and the layout conversions' buffer (the compiler's count, to the byte, at sm_90)."""
+    tiles = triton.cdiv(slots, block_n)
+    return stages * 2 * block_n * HEAD_DIM * 2 + tiles * (block_n * GROUP * 2 + GROUP * 4) + block_n * 32
+
+
+def resident_programs(block_n: int, stages: int, slots: int) -> int:
+    """Programs of the pass (4 warps) one multiprocessor holds at once."""
+    return min(programs_per_sm(REGISTERS[block_n], shared_bytes(block_n, stages, slots), 4).values())
+
+
+def tiling(programs: int, slots: int, sms: int, bandwidth: float) -> tuple[int, int] | None:
+    """(slots a tile, stages) for the pass at `programs` = B * Hkv over `slots`, on `sms`
+    multiprocessors sharing `bandwidth` bytes/s; None where the Triton call is expected faster.
+
+    The pass has one program per (row, KV head), each over all of its row's slots, so it needs: at
+    least two resident programs a multiprocessor (with one nothing hides the score's walk: 1.11-1.18x
+    cuDNN at batch 16); enough bytes in flight for the card (`LATENCY_S`); and a last wave nearly full
+    (at batch 48, 384 programs in two waves of 264 took 1.34-1.37x on an H200, in one of 396
+    1.11-1.17x). 64-slot tiles first: they keep more bytes in flight."""
+    for block_n in (64, 32):
+        resident = resident_programs(block_n, PIPELINE_STAGES, slots)
+        in_flight = resident * (PIPELINE_STAGES - 1) * 2 * block_n * HEAD_DIM * 2
+        if resident < 2 or in_flight < bandwidth / sms * LATENCY_S:
+            continue
+        places = resident * sms
+        if programs / (triton.cdiv(programs, places) * places) >= WAVE_FILL:
+            return block_n, PIPELINE_STAGES
+    return None
 
 
 @functools.cache  # asked per layer and step when not under a CUDA graph
@@ -259,15 +298,15 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None
 
 
 def onchip_attention(q, k, v, valid, next_slot, scale: float, protect=None, *, score: bool = True,
-                     tile: tuple[int, int] | None = None) -> torch.Tensor:
+                     block_n: int = 64, stages: int = PIPELINE_STAGES, warps: int = 4) -> torch.Tensor:
     """LongFlow's decode attention and next slot, the scratch on chip (inputs as `scored_attention`'s
     with `score="longflow"`, checked by the caller, and `unsupported` None; next_slot `[B, W]`, each of
     its W columns written the row's slot). `score` False: the pass
-    alone, without the score or the next slot (the benchmark's reference of its pace). `tile`: (slots
-    a tile, stages), `tiling`'s when None. Returns out `[B, Hq, D]`; next_slot is written in place."""
+    alone, without the score or the next slot (the benchmark's reference of its pace). `block_n`
+    slots a tile, `stages` K/V copies in the ring, `warps` a program (`tiling` picks the first two).
+    Returns out `[B, Hq, D]`; next_slot is written in place."""
     batch, q_heads, head_dim = q.shape
     kv_heads, slots = k.shape[1], k.shape[2]
-    block_n, stages = tile or tiling(slots)
     out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)
     # The partial scores; without the score the pointer is never touched.
     part = torch.empty(batch, kv_heads, slots, dtype=torch.float32, device=q.device) if score else out
@@ -277,7 +316,7 @@ def onchip_attention(q, k, v, valid, next_slot, scale: float, protect=None, *, s
         q, k, v, valid_u8, out, part, *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], *valid_strides,
         slots, scale * LOG2E,
         KV_HEADS=kv_heads, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_N=block_n, STAGES=stages,
-        MAX_TILES=triton.cdiv(slots, block_n), SCORE=score, NUM_WARPS=4, num_warps=4,
+        MAX_TILES=triton.cdiv(slots, block_n), SCORE=score, NUM_WARPS=warps, num_warps=warps,
     )
     if not score:
         return out

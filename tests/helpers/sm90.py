@@ -101,7 +101,7 @@ def host_calls() -> None:
         longflow_attention(q, keys, values, valid[:, 0], config=LaunchConfig(vnorm="reduce", prefetch=False))
         if dtype != torch.float32:  # the on-chip pass (16-bit only), called past `_run`'s check for CUDA
             onchip_attention(q, keys, values, valid[:, 0], next_slot[:, :1], head_dim**-0.5)
-            onchip_attention(q, keys, values, valid, next_slot, head_dim**-0.5, protect=valid)
+            onchip_attention(q, keys, values, valid, next_slot, head_dim**-0.5, protect=valid, block_n=32)
             onchip_attention(q, keys, values, valid[:, 0], next_slot, head_dim**-0.5, score=False)
         for score, spec in SCORES.items():
             for per_kv_head in {True, spec.accumulate}:
@@ -124,11 +124,12 @@ def host_calls() -> None:
         order = torch.arange(slots).expand(batch, kv_heads, slots).contiguous()
         compact_in_place(keys, values, order, valid)
         compact_in_place(keys, values, order[:1], valid[:1], rows=torch.zeros(1, dtype=torch.long))
-    # The on-chip pass's 64-slot tiles (between 2048 and 4096 slots).
+    # The on-chip pass at the most slots its scratch holds, in each tile size: its shared memory fits.
     q = torch.randn(1, q_heads, head_dim, dtype=torch.bfloat16)
-    keys = torch.randn(1, kv_heads, 3200, head_dim, dtype=torch.bfloat16)
-    onchip_attention(q, keys, keys, torch.ones(1, 3200, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.long),
-                     head_dim**-0.5)
+    keys = torch.randn(1, kv_heads, 8192, head_dim, dtype=torch.bfloat16)
+    for block_n in (64, 32):
+        onchip_attention(q, keys, keys, torch.ones(1, 8192, dtype=torch.bool), torch.zeros(1, 1, dtype=torch.long),
+                         head_dim**-0.5, block_n=block_n)
 
 
 def main() -> None:
