@@ -17,10 +17,11 @@ on a GPU only):
    selection rule (`longflow.selection.choose_next`: the lowest free slot, else the unprotected valid
    slot of lowest score, ties to the lowest index), written to every KV head's next slot.
 
-Where its programs fill the GPU's resident places in whole waves it is 1.03-1.08x cuDNN on an H100
-and 1.07-1.11x on an H200, where the Triton call is 1.10-1.15x and 1.12-1.32x; with one program a
-multiprocessor or a part-empty last wave it is slower than the Triton call (longflow/kernels/NOTES.md,
-"The scratch on chip", "Which tile, on which card"). `default_config` asks for it (`LaunchConfig.onchip`)
+Where its programs fill the GPU's resident places in nearly whole waves it is faster than the Triton
+call: in `make fig1`'s grid on an H100 1.03-1.08x cuDNN at batch 64 and 128, where the Triton call was
+1.07-1.12x; in a sweep on an H200 1.07-1.17x wherever `tiling` takes it, the Triton call 1.11-1.32x
+there. With one program a multiprocessor, too few bytes in flight for the card, or a part-empty last
+wave it is slower (longflow/kernels/NOTES.md, "The scratch on chip", "Which tile, on which card"). `default_config` asks for it (`LaunchConfig.onchip`)
 where `tiling` expects it faster. What it covers: LongFlow's score with one selection a row,
 16-bit K/V with the head dim contiguous, head dim 128, G = 4 (the compact rows are taken out of the
 MMA's tile by in-thread reshapes for that G), up to 8192 slots (the scratch's shared memory).
