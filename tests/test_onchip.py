@@ -153,7 +153,7 @@ def test_the_launch_config_asks_for_what_it_can_do():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_n,splits", [(64, 1), (32, 1), (64, 2), (64, 4)])
+@pytest.mark.parametrize("block_n", [64, 32])
 @pytest.mark.parametrize("batch,slots,dtype,mask", [
     (3, 100, torch.bfloat16, "padding"),  # a partial tile
     (2, 3200, torch.bfloat16, "all_valid"),
@@ -161,14 +161,10 @@ def test_the_launch_config_asks_for_what_it_can_do():
     (40, 2000, torch.bfloat16, "all_valid"),
     (2, 8192, torch.bfloat16, "padding"),  # the most slots the scratch holds
 ])
-def test_longflow_attention_on_chip(batch, slots, dtype, mask, block_n, splits):
-    """Splits: each KV head's slots over cooperative programs that merge their softmax statistics;
-    with left padding some splits see no valid slot."""
-    if batch * KV_HEADS * splits > 2 * torch.cuda.get_device_properties(DEVICE).multi_processor_count:
-        pytest.skip("a cooperative launch of more programs than the GPU holds at once fails")
+def test_longflow_attention_on_chip(batch, slots, dtype, mask, block_n):
     q, k, v, valid = make_inputs(batch, Q_HEADS, KV_HEADS, slots, HEAD_DIM, dtype, mask, seed=slots)
-    config = LaunchConfig(onchip=True, block_n=block_n, num_stages=2, splits=splits)
-    out, next_slot = longflow_attention(q, k, v, valid, config=config)
+    out, next_slot = longflow_attention(q, k, v, valid, config=LaunchConfig(onchip=True, block_n=block_n,
+                                                                            num_stages=2))
     assert_longflow(q, k, v, valid, out, next_slot, score_rtol=1e-2)  # the fp16 scratch's rounding
 
 

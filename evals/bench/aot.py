@@ -41,7 +41,7 @@ SHARED_BYTES = 232448  # the most shared memory one program may take on sm_90 (2
 SMS, L2_BYTES = 132, 50 * 2**20  # an H100/H200, so that the launch configurations are the GPU's
 POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64",
                  torch.int32: "i32", torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1"}
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl", "launch_cooperative_grid")
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 

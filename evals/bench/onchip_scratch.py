@@ -65,13 +65,12 @@ def check(batch: int, slots: int, device: torch.device, tie: float = 0.02, **opt
 
 
 def parse_tile(text: str) -> dict:
-    """"64x2" -> `onchip_attention`'s options for 64-slot tiles and 2 stages; "64x2s2" with each KV
-    head's slots split over 2 programs, "64x2w8" with 8 warps."""
-    match = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?(?:w(\d+))?", text)
+    """"64x2" -> `onchip_attention`'s options for 64-slot tiles and 2 stages; "64x2w8" with 8 warps."""
+    match = re.fullmatch(r"(\d+)x(\d+)(?:w(\d+))?", text)
     if match is None:
-        raise SystemExit(f"--tiles takes SLOTSxSTAGES[sSPLITS][wWARPS] such as 64x2, 64x2s2 or 64x2w8, not {text!r}")
-    block_n, stages, splits, warps = match.groups()
-    return dict(block_n=int(block_n), stages=int(stages), splits=int(splits or 1), warps=int(warps or 4))
+        raise SystemExit(f"--tiles takes SLOTSxSTAGES[wWARPS] such as 64x2 or 64x2w8, not {text!r}")
+    block_n, stages, warps = match.groups()
+    return dict(block_n=int(block_n), stages=int(stages), warps=int(warps or 4))
 
 
 def main() -> None:
@@ -79,9 +78,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[128, 64, 16])
     parser.add_argument("--slots", type=int, nargs="+", default=[3200, 1024, 8192])
     parser.add_argument("--no-check", action="store_true", help="time only, without the checks against float32")
-    parser.add_argument("--tiles", nargs="+", metavar="SLOTSxSTAGES[sSPLITS][wWARPS]",
-                        help="time the pass at these tilings only (e.g. 32x2 64x2s2 64x2w8), instead of TIMED's; "
-                             "checked against float32 first unless --no-check")
+    parser.add_argument("--tiles", nargs="+", metavar="SLOTSxSTAGES[wWARPS]",
+                        help="time the pass at these tilings only (e.g. 32x2 64x2w8), instead of TIMED's")
     args = parser.parse_args()
     timed = TIMED if not args.tiles else {f"onchip{t}": parse_tile(t) for t in args.tiles}
     from evals.bench.attention import HEAD_DIM, cache_sets, heuristic_config, interleaved_ms, method_calls
@@ -92,7 +90,7 @@ def main() -> None:
     device = torch.device("cuda")
     for batch in [] if args.no_check else args.batches:
         for slots in args.slots:
-            for options in timed.values() if args.tiles else (dict(block_n=64), dict(block_n=32)):
+            for options in (dict(block_n=64), dict(block_n=32)):
                 print(check(batch, slots, device, **options), flush=True)
     scale = HEAD_DIM**-0.5
     for batch in args.batches:

@@ -474,7 +474,7 @@ class LaunchConfig:
     vnorm: str = "mma"  # ||v||_1 as ones @ |v|^T on the tensor cores ("mma") or a reduction ("reduce")
     l2_hints: bool = True  # K/V loaded `evict_first`, the scratch stored `evict_last`
     # LongFlow's score with its scratch on chip (`longflow.kernels.onchip`, Gluon). Its pass then takes
-    # `block_n`, `num_stages`, `splits` and `num_warps`; the other fields are unused.
+    # `block_n`, `num_stages` and `num_warps`; the other fields are unused.
     onchip: bool = False
 
     def __post_init__(self):
@@ -857,8 +857,7 @@ def _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only, config
     if reason is not None:
         raise ValueError(f"LaunchConfig(onchip=True): the on-chip pass cannot take these inputs: {reason}")
     return onchip.onchip_attention(q, k, v, valid, epilogue.next_slot, scale, protect, score=not attention_only,
-                                   block_n=config.block_n, stages=config.num_stages, splits=config.splits,
-                                   warps=config.num_warps)
+                                   block_n=config.block_n, stages=config.num_stages, warps=config.num_warps)
 
 
 def _head_tile(heads_per_part: int, splits_pad: int, head_dim_pad: int) -> int:

@@ -21,11 +21,10 @@ Where its programs fill the GPU's resident places in nearly whole waves it is fa
 call: in `make fig1`'s grid on an H100 1.03-1.08x cuDNN at batch 64 and 128, where the Triton call was
 1.07-1.12x; in a sweep on an H200 1.07-1.17x wherever `tiling` takes it, the Triton call 1.11-1.32x
 there. With one program a multiprocessor, too few bytes in flight for the card, or a part-empty last
-wave it is slower (longflow/kernels/NOTES.md, "The scratch on chip", "Which tile, on which card").
-`default_config` asks for it (`LaunchConfig.onchip`) where `tiling` expects it faster. What it
-covers: LongFlow's score with one selection a row, 16-bit K/V with the head dim contiguous, head dim
-128, G = 4 (the compact rows are taken out of the MMA's tile by in-thread reshapes for that G), up to
-8192 slots (the scratch's shared memory).
+wave it is slower (longflow/kernels/NOTES.md, "The scratch on chip", "Which tile, on which card"). `default_config` asks for it (`LaunchConfig.onchip`)
+where `tiling` expects it faster. What it covers: LongFlow's score with one selection a row,
+16-bit K/V with the head dim contiguous, head dim 128, G = 4 (the compact rows are taken out of the
+MMA's tile by in-thread reshapes for that G), up to 8192 slots (the scratch's shared memory).
 
 Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, D head dim.
 """
@@ -61,20 +60,15 @@ ROWS = gl.constexpr(16)  # the MMA's rows: a KV head's G query heads, zero-padde
 
 @gluon.jit
 def _onchip_pass_kernel(
-    Q, K, V, VALID, OUT, PART, STATS, ACC, ARRIVED,
+    Q, K, V, VALID, OUT, PART,
     stride_qb, stride_qh, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_valid_b, stride_valid_h, stride_valid_s,
-    n_slots, chunk, qk_scale,
+    n_slots, qk_scale,
     KV_HEADS: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr, MAX_TILES: gl.constexpr, SCORE: gl.constexpr, SPLITS: gl.constexpr,
-    NUM_WARPS: gl.constexpr,
+    STAGES: gl.constexpr, MAX_TILES: gl.constexpr, SCORE: gl.constexpr, NUM_WARPS: gl.constexpr,
 ):
-    """Program (b * Hkv + kv_head, split): the attention of its G heads over slots [split * chunk,
-    + chunk) into OUT `[B, Hq, D]`; with SCORE, their partial LongFlow score `sum_h p_hj ||v_j||_1`
-    into PART `[B, Hkv, S]`. With SPLITS > 1 (a cooperative launch: every program resident) the
-    splits of a KV head exchange their softmax statistics through STATS `[B * Hkv, SPLITS, 2, G]` and
-    ARRIVED `[B * Hkv]` (zeros) before each walks its own scratch; split 0 combines their outputs,
-    ACC `[B * Hkv, SPLITS, G, D]`."""
+    """Program b * Hkv + kv_head: the attention of its G heads over all slots into OUT `[B, Hq, D]`;
+    with SCORE, their partial LongFlow score `sum_h p_hj ||v_j||_1` into PART `[B, Hkv, S]`."""
     gl.static_assert(GROUP == 4, "the compact scratch takes rows 0-3 of the MMA's tile")
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, NUM_WARPS], instr_shape=[16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -90,9 +84,6 @@ def _onchip_pass_kernel(
     pid = gl.program_id(0)
     b = (pid // KV_HEADS).to(gl.int64)
     kv_head = pid % KV_HEADS
-    split = gl.program_id(1)
-    first = split * chunk
-    n_local = gl.minimum(n_slots - first, chunk)  # this program's slots, from `first`
 
     offs_row_io = gl.arange(0, ROWS, layout=gl.SliceLayout(1, io))
     offs_n_io = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io))
@@ -102,14 +93,14 @@ def _onchip_pass_kernel(
     q = gl.load(Q + b * stride_qb + q_heads[:, None] * stride_qh + offs_d_io[None, :], mask=row_ok_io, other=0.0)
     q = gl.convert_layout(q, a_op)
 
-    k_tile = K + b * stride_kb + kv_head * stride_kh + (first + offs_n_io)[:, None] * stride_ks + offs_d_io[None, :]
-    v_tile = V + b * stride_vb + kv_head * stride_vh + (first + offs_n_io)[:, None] * stride_vs + offs_d_io[None, :]
+    k_tile = K + b * stride_kb + kv_head * stride_kh + offs_n_io[:, None] * stride_ks + offs_d_io[None, :]
+    v_tile = V + b * stride_vb + kv_head * stride_vh + offs_n_io[:, None] * stride_vs + offs_d_io[None, :]
     d_all = (offs_d_io < HEAD_DIM)[None, :]
     k_smem = gl.allocate_shared_memory(K.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], kv_shared)
     v_smem = gl.allocate_shared_memory(V.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], kv_shared)
-    n_tiles = gl.cdiv(n_local, BLOCK_N)
+    n_tiles = gl.cdiv(n_slots, BLOCK_N)
     for i in gl.static_range(STAGES - 1):
-        in_range = ((i * BLOCK_N + offs_n_io) < n_local)[:, None] & d_all
+        in_range = ((i * BLOCK_N + offs_n_io) < n_slots)[:, None] & d_all
         _async_load(k_smem.index(i), k_tile + i * BLOCK_N * stride_ks, mask=in_range)
         _async_load(v_smem.index(i), v_tile + i * BLOCK_N * stride_vs, mask=in_range)
         async_copy.commit_group()
@@ -120,21 +111,21 @@ def _onchip_pass_kernel(
     zero_s = gl.full([ROWS, BLOCK_N], 0.0, gl.float32, layout=mma)
     ones = gl.full([ROWS, HEAD_DIM], 1.0, K.dtype.element_ty, layout=a_op)
     offs_n_mma = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    valid_row = VALID + b * stride_valid_b + kv_head * stride_valid_h + first * stride_valid_s
+    valid_row = VALID + b * stride_valid_b + kv_head * stride_valid_h
     if SCORE:  # the scratch: rows 0-3 as fp16 relative to each tile's running maximum, and those maxima
         t_smem = gl.allocate_shared_memory(gl.float16, [MAX_TILES, GROUP, BLOCK_N], t_shared)
         r_smem = gl.allocate_shared_memory(gl.float32, [MAX_TILES, GROUP], r_shared)
     # The mask one tile ahead: a byte a slot is below an asynchronous copy's 4 bytes.
-    ok_next = gl.load(valid_row + offs_n_mma * stride_valid_s, mask=offs_n_mma < n_local, other=0)
+    ok_next = gl.load(valid_row + offs_n_mma * stride_valid_s, mask=offs_n_mma < n_slots, other=0)
     for tile in range(n_tiles):
         start = tile * BLOCK_N
-        ok = (ok_next != 0) & (start + offs_n_mma < n_local)
+        ok = (ok_next != 0) & (start + offs_n_mma < n_slots)
         following = start + BLOCK_N + offs_n_mma
-        ok_next = gl.load(valid_row + following * stride_valid_s, mask=following < n_local, other=0)
+        ok_next = gl.load(valid_row + following * stride_valid_s, mask=following < n_slots, other=0)
         async_copy.wait_group(STAGES - 2)
         _barrier()  # every thread's copies of this tile landed; the stage refilled below was read
         ahead = tile + STAGES - 1
-        in_range = ((ahead * BLOCK_N + offs_n_io) < n_local)[:, None] & d_all
+        in_range = ((ahead * BLOCK_N + offs_n_io) < n_slots)[:, None] & d_all
         _async_load(k_smem.index(ahead % STAGES), k_tile + ahead * BLOCK_N * stride_ks, mask=in_range)
         _async_load(v_smem.index(ahead % STAGES), v_tile + ahead * BLOCK_N * stride_vs, mask=in_range)
         async_copy.commit_group()
@@ -161,73 +152,22 @@ def _onchip_pass_kernel(
             r_smem.index(tile).store(_first_four(m_use, gl.BlockedLayout([1], [32], [NUM_WARPS], [0]), NUM_WARPS))
     async_copy.wait_group(0)
 
-    out_rows = OUT + (b * (KV_HEADS * GROUP) + kv_head * GROUP) * HEAD_DIM
-    if SPLITS == 1:
-        l_safe = gl.where(l_i > 0, l_i, 1.0)
-        out = gl.convert_layout((acc / l_safe[:, None]).to(OUT.dtype.element_ty), io)
-        gl.store(out_rows + offs_row_io[:, None] * HEAD_DIM + offs_d_io[None, :], out, mask=row_ok_io)
-        if SCORE:
-            m_fin = _first_four(gl.where(m_i == float("-inf"), 0.0, m_i), gl.SliceLayout(1, walk), NUM_WARPS)
-            inv_l = _first_four(gl.where(l_i > 0, 1.0 / l_safe, 0.0), gl.SliceLayout(1, walk), NUM_WARPS)
-    else:
-        # This split's statistics and unnormalised output, then the KV head's others'.
-        head = b * KV_HEADS + kv_head
-        offs_row_mma = gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma))
-        stats = STATS + (head * SPLITS + split) * 2 * GROUP
-        gl.store(stats + offs_row_mma, m_i, mask=offs_row_mma < GROUP)
-        gl.store(stats + GROUP + offs_row_mma, l_i, mask=offs_row_mma < GROUP)
-        acc_io = gl.convert_layout(acc, io)
-        gl.store(ACC + ((head * SPLITS + split) * GROUP + offs_row_io)[:, None] * HEAD_DIM + offs_d_io[None, :], acc_io,
-                 mask=row_ok_io)
-        _barrier()  # every thread's stores before the arrival that publishes them
-        gl.atomic_add(ARRIVED + head, 1, sem="release", scope="gpu")
-        arrived = gl.atomic_add(ARRIVED + head, 0, sem="acquire", scope="gpu")
-        while arrived < SPLITS:
-            arrived = gl.atomic_add(ARRIVED + head, 0, sem="acquire", scope="gpu")
-        _barrier()
-        head_stats = STATS + head * SPLITS * 2 * GROUP
-        m_fin, l_fin = _merged_stats(head_stats, gl.SliceLayout(1, walk), GROUP, SPLITS)
-        inv_l = gl.where(l_fin > 0, 1.0 / gl.where(l_fin > 0, l_fin, 1.0), 0.0)
-        if split == 0:  # the outputs, each split's scaled to the merged maximum
-            rows: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [NUM_WARPS, 1], [1, 0])  # [G, D]
-            offs_g = gl.arange(0, GROUP, layout=gl.SliceLayout(1, rows))
-            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, rows))
-            m_out, l_out = _merged_stats(head_stats, gl.SliceLayout(1, rows), GROUP, SPLITS)
-            merged = gl.full([GROUP, HEAD_DIM], 0.0, gl.float32, layout=rows)
-            for other in gl.static_range(SPLITS):
-                m_other = gl.load(head_stats + other * 2 * GROUP + offs_g, cache_modifier=".cg")
-                acc_other = gl.load(ACC + ((head * SPLITS + other) * GROUP + offs_g)[:, None] * HEAD_DIM
-                                    + offs_d[None, :], cache_modifier=".cg")
-                merged += acc_other * gl.exp2(m_other - m_out)[:, None]
-            merged = merged / gl.where(l_out > 0, l_out, 1.0)[:, None]
-            gl.store(out_rows + offs_g[:, None] * HEAD_DIM + offs_d[None, :], merged.to(OUT.dtype.element_ty))
+    l_safe = gl.where(l_i > 0, l_i, 1.0)
+    out = gl.convert_layout((acc / l_safe[:, None]).to(OUT.dtype.element_ty), io)
+    gl.store(OUT + (b * (KV_HEADS * GROUP) + q_heads)[:, None] * HEAD_DIM + offs_d_io[None, :], out, mask=row_ok_io)
 
     if SCORE:
         _barrier()  # every thread's scratch before the walk reads it
+        m_fin = _first_four(gl.where(m_i == float("-inf"), 0.0, m_i), gl.SliceLayout(1, walk), NUM_WARPS)
+        inv_l = _first_four(gl.where(l_i > 0, 1.0 / l_safe, 0.0), gl.SliceLayout(1, walk), NUM_WARPS)
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, walk))
-        part_row = PART + (b * KV_HEADS + kv_head) * n_slots + first
+        part_row = PART + (b * KV_HEADS + kv_head) * n_slots
         for tile in range(n_tiles):
             t = t_smem.index(tile).load(walk).to(gl.float32)  # [G, BLOCK_N]
             reference = r_smem.index(tile).load(gl.SliceLayout(1, walk))
             part = gl.sum(gl.exp2(t + (reference - m_fin)[:, None]) * inv_l[:, None], axis=0)
             slots = tile * BLOCK_N + offs_n
-            gl.store(part_row + slots, part, mask=slots < n_local)
-
-
-@gluon.jit
-def _merged_stats(STATS, layout: gl.constexpr, GROUP: gl.constexpr, SPLITS: gl.constexpr):
-    """The G heads' softmax maximum (0 where every slot is masked) and denominator over SPLITS splits'
-    (max, sum) in STATS `[SPLITS, 2, G]`, read past L1: other programs wrote them."""
-    offs = gl.arange(0, GROUP, layout=layout)
-    m = gl.full([GROUP], float("-inf"), gl.float32, layout=layout)
-    for split in gl.static_range(SPLITS):
-        m = gl.maximum(m, gl.load(STATS + split * 2 * GROUP + offs, cache_modifier=".cg"))
-    m = gl.where(m == float("-inf"), 0.0, m)
-    total = gl.full([GROUP], 0.0, gl.float32, layout=layout)
-    for split in gl.static_range(SPLITS):
-        m_split = gl.load(STATS + split * 2 * GROUP + offs, cache_modifier=".cg")
-        total += gl.load(STATS + split * 2 * GROUP + GROUP + offs, cache_modifier=".cg") * gl.exp2(m_split - m)
-    return m, total
+            gl.store(part_row + slots, part, mask=slots < n_slots)
 
 
 @gluon.jit
@@ -359,37 +299,25 @@ def unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None
 
 
 def onchip_attention(q, k, v, valid, next_slot, scale: float, protect=None, *, score: bool = True,
-                     block_n: int = 64, stages: int = PIPELINE_STAGES, splits: int = 1, warps: int = 4) -> torch.Tensor:
+                     block_n: int = 64, stages: int = PIPELINE_STAGES, warps: int = 4) -> torch.Tensor:
     """LongFlow's decode attention and next slot, the scratch on chip (inputs as `scored_attention`'s
     with `score="longflow"`, checked by the caller, and `unsupported` None; next_slot `[B, W]`, each of
     its W columns written the row's slot). `score` False: the pass
     alone, without the score or the next slot (the benchmark's reference of its pace). `block_n`
-    slots a tile, `stages` K/V copies in the ring, `splits` programs a KV head (launched
-    cooperatively: all of them must fit the GPU at once, which the launch checks), `warps` a program
-    (`tiling` picks the first three). Returns out `[B, Hq, D]`; next_slot is written in place."""
+    slots a tile, `stages` K/V copies in the ring, `warps` a program (`tiling` picks the first two).
+    Returns out `[B, Hq, D]`; next_slot is written in place."""
     batch, q_heads, head_dim = q.shape
     kv_heads, slots = k.shape[1], k.shape[2]
-    if splits > 1 and not score:
-        raise ValueError("the on-chip pass splits a KV head's slots only with the score")
-    chunk = triton.cdiv(triton.cdiv(slots, splits), block_n) * block_n
-    splits = triton.cdiv(slots, chunk)  # whole tiles a split
-    device, f32 = q.device, torch.float32
-    out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=device)
+    out = torch.empty(batch, q_heads, head_dim, dtype=q.dtype, device=q.device)
     # The partial scores; without the score the pointer is never touched.
-    part = torch.empty(batch, kv_heads, slots, dtype=f32, device=device) if score else out
-    # The splits' exchange (pointers never touched at one split).
-    stats = torch.empty(batch * kv_heads, splits, 2, GROUP, dtype=f32, device=device) if splits > 1 else part
-    partial_out = (torch.empty(batch * kv_heads, splits, GROUP, HEAD_DIM, dtype=f32, device=device) if splits > 1
-                   else part)
-    arrived = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device) if splits > 1 else part
+    part = torch.empty(batch, kv_heads, slots, dtype=torch.float32, device=q.device) if score else out
     valid_u8 = valid.view(torch.uint8)
     valid_strides = _mask_strides(valid_u8)
-    _onchip_pass_kernel[(batch * kv_heads, splits)](
-        q, k, v, valid_u8, out, part, stats, partial_out, arrived, *q.stride()[:2], *k.stride()[:3], *v.stride()[:3],
-        *valid_strides, slots, chunk, scale * LOG2E,
+    _onchip_pass_kernel[(batch * kv_heads,)](
+        q, k, v, valid_u8, out, part, *q.stride()[:2], *k.stride()[:3], *v.stride()[:3], *valid_strides,
+        slots, scale * LOG2E,
         KV_HEADS=kv_heads, GROUP=GROUP, HEAD_DIM=HEAD_DIM, BLOCK_N=block_n, STAGES=stages,
-        MAX_TILES=triton.cdiv(chunk, block_n), SCORE=score, SPLITS=splits, NUM_WARPS=warps, num_warps=warps,
-        launch_cooperative_grid=splits > 1,
+        MAX_TILES=triton.cdiv(slots, block_n), SCORE=score, NUM_WARPS=warps, num_warps=warps,
     )
     if not score:
         return out
