@@ -21,10 +21,11 @@ Where its programs fill the GPU's resident places in nearly whole waves it is fa
 call: in `make fig1`'s grid on an H100 1.03-1.08x cuDNN at batch 64 and 128, where the Triton call was
 1.07-1.12x; in a sweep on an H200 1.07-1.17x wherever `tiling` takes it, the Triton call 1.11-1.32x
 there. With one program a multiprocessor, too few bytes in flight for the card, or a part-empty last
-wave it is slower (longflow/kernels/NOTES.md, "The scratch on chip", "Which tile, on which card"). `default_config` asks for it (`LaunchConfig.onchip`)
-where `tiling` expects it faster. What it covers: LongFlow's score with one selection a row,
-16-bit K/V with the head dim contiguous, head dim 128, G = 4 (the compact rows are taken out of the
-MMA's tile by in-thread reshapes for that G), up to 8192 slots (the scratch's shared memory).
+wave it is slower (longflow/kernels/NOTES.md, "The scratch on chip", "Which tile, on which card").
+`default_config` asks for it (`LaunchConfig.onchip`) where `tiling` expects it faster. What it
+covers: LongFlow's score with one selection a row, 16-bit K/V with the head dim contiguous, head dim
+128, G = 4 (the compact rows are taken out of the MMA's tile by in-thread reshapes for that G), up to
+8192 slots (the scratch's shared memory).
 
 Notation: B batch, Hq query heads, Hkv KV heads, G = Hq / Hkv, S slots, D head dim.
 """
