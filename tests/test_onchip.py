@@ -21,12 +21,8 @@ from helpers.kernel_checks import DEVICE, assert_longflow, make_inputs  # noqa: 
 pytest.importorskip("triton")
 
 from longflow.kernels import longflow_attention, scored_attention  # noqa: E402
-from longflow.kernels.longflow_attention import (  # noqa: E402
-    LaunchConfig,
-    _memory_bandwidth,
-    call_config,
-    default_config,
-)
+from longflow.kernels.longflow_attention import LaunchConfig, call_config, default_config  # noqa: E402
+from longflow.kernels.occupancy import GPU, gpu  # noqa: E402
 from longflow.kernels.onchip import (  # noqa: E402
     _onchip_argmin_kernel,
     resident_programs,
@@ -39,7 +35,12 @@ from longflow.selection import choose_next  # noqa: E402
 pytestmark = pytest.mark.kernels
 
 ONCHIP = LaunchConfig(onchip=True, block_n=64, num_stages=2)
-SMS, H100_BYTES_S, H200_BYTES_S = 132, 3.35e12, 4.8e12
+SMS = 132
+H100, H200 = GPU(bandwidth=3.35e12), GPU(bandwidth=4.8e12)
+# Smaller GPUs, by their CUDA attributes: an A100 (164 KB a multiprocessor, 163 a program) and an
+# RTX 4090 (100 KB and 99).
+A100 = GPU(multiprocessors=108, shared=167936, shared_per_program=166912, warps=64, bandwidth=2.04e12)
+RTX4090 = GPU(multiprocessors=128, shared=102400, shared_per_program=101376, warps=48, bandwidth=1.01e12)
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
@@ -106,15 +107,32 @@ def test_resident_programs_are_the_compilers():
 def test_tiling_follows_the_sweeps(batch, slots, h100, h200):
     """The sweeps' winners (longflow/kernels/NOTES.md, "Which tile, on which card"), at 8 KV heads on
     132 multiprocessors; None where the Triton call was the faster."""
-    assert tiling(batch * KV_HEADS, slots, SMS, H100_BYTES_S) == h100
-    assert tiling(batch * KV_HEADS, slots, SMS, H200_BYTES_S) == h200
+    assert tiling(batch * KV_HEADS, slots, H100) == h100
+    assert tiling(batch * KV_HEADS, slots, H200) == h200
+
+
+@pytest.mark.parametrize("on", [A100, RTX4090], ids=["a100", "rtx4090"])
+def test_tiling_on_smaller_gpus_takes_only_what_fits_twice(on):
+    """Every tiling it takes fits a program's shared memory there and two programs a multiprocessor,
+    whatever an H100 would take: on an RTX 4090 64-slot tiles fit one program a multiprocessor at
+    most, and none past 4096 slots."""
+    taken = 0
+    for batch in (8, 16, 24, 27, 32, 48, 54, 64, 96, 128, 256):
+        for slots in (512, 1024, 2048, 3200, 4096, 5120, 6144, 8192):
+            tile = tiling(batch * KV_HEADS, slots, on)
+            if tile is not None:
+                taken += 1
+                assert shared_bytes(*tile, slots) <= on.shared_per_program
+                assert resident_programs(*tile, slots, on) >= 2
+    assert taken  # it is not simply off
+    assert tiling(32 * KV_HEADS, 5120, H100) == (64, 2) and tiling(32 * KV_HEADS, 5120, RTX4090) is None
 
 
 def test_default_config_asks_for_the_pass_only_where_it_can_take_the_call():
     shape = (64, KV_HEADS, Q_HEADS, 3072, HEAD_DIM, SMS)
-    assert default_config(*shape, onchip_bandwidth=H200_BYTES_S) == LaunchConfig(block_n=64, num_stages=2, onchip=True)
+    assert default_config(*shape, onchip=H200) == LaunchConfig(block_n=64, num_stages=2, onchip=True)
     assert not default_config(*shape).onchip  # the caller found that the pass cannot take the inputs
-    assert not default_config(16, *shape[1:], onchip_bandwidth=H200_BYTES_S).onchip
+    assert not default_config(16, *shape[1:], onchip=H200).onchip
     q = torch.zeros(64, Q_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
     k = torch.zeros(64, KV_HEADS, 3072, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
     assert not call_config(q.float(), k.float(), k.float()).onchip  # float32: the Triton call
@@ -175,11 +193,10 @@ def test_the_default_call_takes_the_pass_where_its_tiling_says():
     batch, slots = 64, 1024
     q, k, v, valid = make_inputs(batch, Q_HEADS, KV_HEADS, slots, HEAD_DIM, torch.bfloat16, "one_free", seed=3)
     valid[::2] = True
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    expected = tiling(batch * KV_HEADS, slots, sms, _memory_bandwidth(DEVICE))
+    expected = tiling(batch * KV_HEADS, slots, gpu(DEVICE))
     config = call_config(q, k, v)
     assert config.onchip == (expected is not None)
-    if sms == SMS:
+    if gpu(DEVICE).multiprocessors == SMS:
         assert config == LaunchConfig(block_n=64, num_stages=2, onchip=True)
     out, next_slot = longflow_attention(q, k, v, valid)
     assert_longflow(q, k, v, valid, out, next_slot, score_rtol=1e-2)

@@ -61,7 +61,9 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from longflow.kernels import occupancy  # noqa: E402
 from longflow.kernels.fast_math import log2_approx  # noqa: E402
+from longflow.kernels.occupancy import GPU  # noqa: E402
 from longflow.kernels.precision import ieee_products  # noqa: E402
 from longflow.kernels.reductions import reduce_max, reduce_min, reduce_sum  # noqa: E402
 from longflow.kernels.slot_write import check_token_write  # noqa: E402
@@ -504,30 +506,20 @@ def _l2_bytes(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).L2_cache_size
 
 
-@functools.cache
-def _memory_bandwidth(device: torch.device) -> float:
-    """The device memory's peak bytes/s from its clock and bus width (two transfers a clock); an
-    H200's 4.8e12 where this torch does not report them, which makes `onchip.tiling` the stricter."""
-    properties = torch.cuda.get_device_properties(device)
-    clock_khz = getattr(properties, "memory_clock_rate", 0)
-    bus_bits = getattr(properties, "memory_bus_width", 0)
-    return 2 * clock_khz * 1e3 * bus_bits / 8 if clock_khz and bus_bits else 4.8e12
-
-
 @functools.cache  # called per layer and decode step when not under a CUDA graph
 def default_config(
     batch: int, kv_heads: int, q_heads: int, slots: int, head_dim: int, sms: int, l2_bytes: int = 50 * 2**20,
-    selections: int = 1, onchip_bandwidth: float | None = None,
+    selections: int = 1, onchip: GPU | None = None,
 ) -> LaunchConfig:
     """Heuristic launch configuration; constants from H200 sweeps (longflow/kernels/NOTES.md).
     `selections`: next slots chosen per row (1 when the KV heads share one, `kv_heads` otherwise).
-    `onchip_bandwidth`: the device memory's bytes/s where the call can take the on-chip pass
+    `onchip`: the GPU (`longflow.kernels.occupancy.gpu`) where the call can take the on-chip pass
     (`longflow.kernels.onchip.unsupported` None, LongFlow's score, one selection), else None; the
     pass is then chosen where `onchip.tiling` expects it faster."""
-    if onchip_bandwidth is not None:
-        from longflow.kernels import onchip  # Gluon, which the rest does not need
+    if onchip is not None:
+        from longflow.kernels import onchip as onchip_pass  # Gluon, which the rest does not need
 
-        tile = onchip.tiling(batch * kv_heads, slots, sms, onchip_bandwidth)
+        tile = onchip_pass.tiling(batch * kv_heads, slots, onchip)
         if tile is not None:
             return LaunchConfig(block_n=tile[0], num_stages=tile[1], onchip=True)
     block_n = 64
@@ -829,11 +821,11 @@ def call_config(q, k, v, score: Score | None = None, per_kv_head: bool = False) 
     `config` of None means."""
     batch, q_heads, head_dim = q.shape
     _, kv_heads, slots, _ = k.shape
-    onchip_bandwidth = None
+    onchip = None
     if (score is None or score == SCORES["longflow"]) and not per_kv_head and _onchip_takes(q, k, v):
-        onchip_bandwidth = _memory_bandwidth(q.device)
+        onchip = occupancy.gpu(q.device)
     return default_config(batch, kv_heads, q_heads, slots, head_dim, _multiprocessors(q.device), _l2_bytes(q.device),
-                          kv_heads if per_kv_head else 1, onchip_bandwidth)
+                          kv_heads if per_kv_head else 1, onchip)
 
 
 def _onchip_takes(q, k, v) -> bool:
@@ -856,6 +848,11 @@ def _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only, config
     reason = onchip.unsupported(q, k, v)
     if reason is not None:
         raise ValueError(f"LaunchConfig(onchip=True): the on-chip pass cannot take these inputs: {reason}")
+    shared, most = onchip.shared_bytes(config.block_n, config.num_stages, k.shape[2]), occupancy.gpu(q.device)
+    if shared > most.shared_per_program:
+        raise ValueError(f"LaunchConfig(onchip=True): {config.block_n}-slot tiles at {config.num_stages} stages over "
+                         f"{k.shape[2]} slots take {shared} bytes of shared memory, more than this GPU gives a program "
+                         f"({most.shared_per_program})")
     return onchip.onchip_attention(q, k, v, valid, epilogue.next_slot, scale, protect, score=not attention_only,
                                    block_n=config.block_n, stages=config.num_stages, warps=config.num_warps)
 

@@ -47,7 +47,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2  # noqa: E402
 
 from longflow.kernels.longflow_attention import LOG2E, _mask_strides  # noqa: E402
-from longflow.kernels.occupancy import programs_per_sm  # noqa: E402
+from longflow.kernels.occupancy import GPU, SM90, programs_per_sm  # noqa: E402
 from longflow.kernels.reductions import reduce_min, reduce_sum  # noqa: E402
 
 MAX_SLOTS = 8192  # the compact scratch and two stages of 32-slot tiles: two programs a multiprocessor
@@ -248,14 +248,14 @@ def shared_bytes(block_n: int, stages: int, slots: int) -> int:
     return stages * 2 * block_n * HEAD_DIM * 2 + tiles * (block_n * GROUP * 2 + GROUP * 4) + block_n * 32
 
 
-def resident_programs(block_n: int, stages: int, slots: int) -> int:
-    """Programs of the pass (4 warps) one multiprocessor holds at once."""
-    return min(programs_per_sm(REGISTERS[block_n], shared_bytes(block_n, stages, slots), 4).values())
+def resident_programs(block_n: int, stages: int, slots: int, on: GPU = SM90) -> int:
+    """Programs of the pass (4 warps) one multiprocessor of `on` holds at once (0: none fits)."""
+    return min(programs_per_sm(REGISTERS[block_n], shared_bytes(block_n, stages, slots), 4, on).values())
 
 
-def tiling(programs: int, slots: int, sms: int, bandwidth: float) -> tuple[int, int] | None:
-    """(slots a tile, stages) for the pass at `programs` = B * Hkv over `slots`, on `sms`
-    multiprocessors sharing `bandwidth` bytes/s; None where the Triton call is expected faster.
+def tiling(programs: int, slots: int, on: GPU) -> tuple[int, int] | None:
+    """(slots a tile, stages) for the pass at `programs` = B * Hkv over `slots` on the GPU `on`; None
+    where the Triton call is expected faster (or no tiling fits the GPU's shared memory).
 
     The pass has one program per (row, KV head), each over all of its row's slots, so it needs: at
     least two resident programs a multiprocessor (with one nothing hides the score's walk: 1.11-1.18x
@@ -263,11 +263,11 @@ def tiling(programs: int, slots: int, sms: int, bandwidth: float) -> tuple[int, 
     (at batch 48, 384 programs in two waves of 264 took 1.34-1.37x on an H200, in one of 396
     1.11-1.17x). 64-slot tiles first: they keep more bytes in flight."""
     for block_n in (64, 32):
-        resident = resident_programs(block_n, PIPELINE_STAGES, slots)
+        resident = resident_programs(block_n, PIPELINE_STAGES, slots, on)
         in_flight = resident * (PIPELINE_STAGES - 1) * 2 * block_n * HEAD_DIM * 2
-        if resident < 2 or in_flight < bandwidth / sms * LATENCY_S:
+        if resident < 2 or in_flight < on.bandwidth / on.multiprocessors * LATENCY_S:
             continue
-        places = resident * sms
+        places = resident * on.multiprocessors
         if programs / (triton.cdiv(programs, places) * places) >= WAVE_FILL:
             return block_n, PIPELINE_STAGES
     return None
