@@ -168,6 +168,10 @@ def test_the_launch_config_asks_for_what_it_can_do():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs CUDA tensors"):
             longflow_attention(q, k, k, valid[:, 0], config=ONCHIP)
+    long_k = torch.zeros(2, KV_HEADS, 8192, HEAD_DIM, dtype=torch.bfloat16, device=DEVICE)
+    wide = LaunchConfig(onchip=True, block_n=128, num_stages=3)  # 267264 bytes at 8192 slots
+    with pytest.raises(ValueError, match="more than the GPU gives a program"):
+        longflow_attention(q, long_k, long_k, torch.ones(2, 8192, dtype=torch.bool, device=DEVICE), config=wide)
 
 
 @pytest.mark.gpu

@@ -843,16 +843,18 @@ def _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only, config
 
     if epilogue.score != SCORES["longflow"] or epilogue.per_kv_head:
         raise ValueError("LaunchConfig(onchip=True) takes LongFlow's score with one selection a row only")
+    # The shared memory before the device: on a CPU it is checked against sm_90's, so that tests see it.
+    shared = onchip.shared_bytes(config.block_n, config.num_stages, k.shape[2])
+    most = (occupancy.gpu(q.device) if q.is_cuda else occupancy.SM90).shared_per_program
+    if shared > most:
+        raise ValueError(f"LaunchConfig(onchip=True): {config.block_n}-slot tiles at {config.num_stages} stages over "
+                         f"{k.shape[2]} slots take {shared} bytes of shared memory, more than the GPU gives a program "
+                         f"({most})")
     if not q.is_cuda:
         raise ValueError("LaunchConfig(onchip=True) needs CUDA tensors: Gluon kernels have no interpreter")
     reason = onchip.unsupported(q, k, v)
     if reason is not None:
         raise ValueError(f"LaunchConfig(onchip=True): the on-chip pass cannot take these inputs: {reason}")
-    shared, most = onchip.shared_bytes(config.block_n, config.num_stages, k.shape[2]), occupancy.gpu(q.device)
-    if shared > most.shared_per_program:
-        raise ValueError(f"LaunchConfig(onchip=True): {config.block_n}-slot tiles at {config.num_stages} stages over "
-                         f"{k.shape[2]} slots take {shared} bytes of shared memory, more than this GPU gives a program "
-                         f"({most.shared_per_program})")
     return onchip.onchip_attention(q, k, v, valid, epilogue.next_slot, scale, protect, score=not attention_only,
                                    block_n=config.block_n, stages=config.num_stages, warps=config.num_warps)
 
