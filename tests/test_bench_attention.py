@@ -55,6 +55,25 @@ def test_replot_redraws_the_figure_from_the_csv(tmp_path, capsys):
     assert "flash_decode/best sdpa" in table and "0.895" in table  # 1.7 / 1.9
 
 
+def test_the_figure_marks_where_longflow_took_the_on_chip_pass(tmp_path, monkeypatch):
+    """The CSV's backend `gluon` (the on-chip pass) names LongFlow's bar at the figure's point and
+    outlines its ratio bars in black, with a legend entry; the Triton call's points stay unmarked."""
+    from matplotlib.figure import Figure
+
+    rows = grid_rows()
+    for row in rows:
+        if row["method"] == "longflow_fused" and row["batch"] == 128:
+            row["backend"] = "gluon"
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda figure, path, **_: saved.append(figure))
+    bench_attention.plot(rows, tmp_path / "fig1.png")
+    point, ratios = saved[0].axes
+    assert "LongFlow\n(fused, on chip)" in [label.get_text() for label in point.get_xticklabels()]
+    assert "LongFlow on chip" in [text.get_text() for text in ratios.get_legend().get_texts()]
+    outlined = [bar.get_x() for bar in ratios.patches if bar.get_edgecolor()[:3] == (0.0, 0.0, 0.0)]
+    assert len(outlined) == 1 and outlined[0] > 1  # batch 128's fused bar, the second group
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_timing_without_a_gpu_says_so():
     with pytest.raises(UserError, match="needs a CUDA GPU"):

@@ -335,6 +335,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     points = list(dict.fromkeys((row["batch"], row["slots"]) for row in rows))
     point = min(points, key=lambda p: (abs(p[0] - FIGURE_POINT[0]), abs(p[1] - FIGURE_POINT[1])))
@@ -345,6 +346,9 @@ def plot(rows: list[dict], path: Path) -> None:
              "sdpa_cudnn": "SDPA cuDNN\n(GQA packed)"}
     palette = {"h2o": "tab:gray", "longflow_fused": "tab:red", "flash_decode": "tab:orange", "sdpa": "tab:blue",
                "sdpa_packed": "tab:cyan", "sdpa_cudnn": "tab:purple"}
+    if any(row["backend"] == "gluon" for row in rows
+           if row["method"] == "longflow_fused" and (row["batch"], row["slots"]) == point):
+        names["longflow_fused"] = "LongFlow\n(fused, on chip)"  # the Gluon pass, not the Triton call
     labels = [m for m in names if m in at_point]
     bars = axes[0].bar([names[m] for m in labels], [at_point[m] for m in labels], color=[palette[m] for m in labels])
     axes[0].bar_label(bars, fmt="%.3f", fontsize=7)
@@ -359,11 +363,15 @@ def plot(rows: list[dict], path: Path) -> None:
         slot_counts = sorted({s for _, _, s in ratios})
         batches = sorted({b for _, b, _ in ratios})
         width = 0.8 / (len(slot_counts) * len(kernels))
+        # Outlined: the points where LongFlow's call took the on-chip pass (Gluon) instead of the Triton call.
+        on_chip = {(row["batch"], row["slots"]) for row in rows
+                   if row["method"] == "longflow_fused" and row.get("backend") == "gluon"}
         for i, (slots, kernel) in enumerate(itertools.product(slot_counts, kernels)):
             values = [ratios.get((kernel, b, slots), 0) for b in batches]
+            edges = ["black" if kernel == "longflow_fused" and (b, slots) in on_chip else "white" for b in batches]
             axes[1].bar([x + i * width for x in range(len(batches))], values, width,
                         color=f"C{slot_counts.index(slots)}", hatch="//" if kernel == "flash_decode" else None,
-                        edgecolor="white", label=f"{slots} slots" if kernel == kernels[0] else None)
+                        edgecolor=edges, label=f"{slots} slots" if kernel == kernels[0] else None)
         axes[1].axhline(1.1, color="k", linestyle="--", linewidth=1, label="1.1x target")
         axes[1].set_xticks([x + width * (len(slot_counts) * len(kernels) - 1) / 2 for x in range(len(batches))])
         axes[1].set_xticklabels([f"batch {b}" for b in batches])
@@ -371,7 +379,10 @@ def plot(rows: list[dict], path: Path) -> None:
         hatched = " and flash_decode (hatched)" if "flash_decode" in kernels else ""
         axes[1].set_title(f"LongFlow fused{hatched} over the fastest SDPA, every grid point", fontsize=9)
         axes[1].set_ylim(0, max(1.3, 1.15 * max(ratios.values())))
-        axes[1].legend(fontsize=8, ncol=4, loc="upper left")
+        handles, _ = axes[1].get_legend_handles_labels()
+        if on_chip:
+            handles.append(Patch(facecolor="none", edgecolor="black", label="LongFlow on chip"))
+        axes[1].legend(handles=handles, fontsize=8, ncol=5, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=150)
 
