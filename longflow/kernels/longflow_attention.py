@@ -496,7 +496,7 @@ class LaunchConfig:
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 8  # interpreter: a small pretend GPU, so that CPU tests also cover the split paths
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return occupancy.gpu(device).multiprocessors
 
 
 @functools.cache
@@ -743,10 +743,13 @@ def _run(q, k, v, valid, scale, protect, config, attention_only=False, epilogue:
     per_kv_head = epilogue.per_kv_head
     selections = kv_heads if per_kv_head else 1
     score = epilogue.score
-    if config is None:
+    chosen = config is None  # by `call_config`, which takes the on-chip pass only where it can run
+    if chosen:
         config = call_config(q, k, v, score, per_kv_head)
     if config.onchip:
-        return _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only, config)
+        if not chosen:
+            _check_onchip(q, k, v, config, epilogue)
+        return _onchip_call(q, k, v, valid, scale, protect, epilogue, attention_only, config)
 
     # Whole tiles per split; the split counts actually launched follow from the rounding.
     chunk, splits = _even_split(slots, config.splits, config.block_n)
@@ -837,8 +840,8 @@ def _onchip_takes(q, k, v) -> bool:
     return onchip.unsupported(q, k, v) is None
 
 
-def _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only, config):
-    """`_run` through `longflow.kernels.onchip` (imported here: it needs Gluon, which the rest does not)."""
+def _check_onchip(q, k, v, config, epilogue) -> None:
+    """Why a given `LaunchConfig(onchip=True)` cannot run this call, as a ValueError."""
     from longflow.kernels import onchip
 
     if epilogue.score != SCORES["longflow"] or epilogue.per_kv_head:
@@ -855,6 +858,12 @@ def _run_onchip(q, k, v, valid, scale, protect, epilogue, attention_only, config
     reason = onchip.unsupported(q, k, v)
     if reason is not None:
         raise ValueError(f"LaunchConfig(onchip=True): the on-chip pass cannot take these inputs: {reason}")
+
+
+def _onchip_call(q, k, v, valid, scale, protect, epilogue, attention_only, config):
+    """`_run` through `longflow.kernels.onchip` (imported here: it needs Gluon, which the rest does not)."""
+    from longflow.kernels import onchip
+
     return onchip.onchip_attention(q, k, v, valid, epilogue.next_slot, scale, protect, score=not attention_only,
                                    block_n=config.block_n, stages=config.num_stages, warps=config.num_warps)
 
