@@ -84,10 +84,12 @@ def main() -> None:
     timed = TIMED if not args.tiles else {f"onchip{t}": parse_tile(t) for t in args.tiles}
     from evals.bench.attention import HEAD_DIM, cache_sets, heuristic_config, interleaved_ms, method_calls
     from evals.bench.common import require_cuda
-    from longflow.kernels import longflow_attention
+    from longflow.kernels import longflow_attention, occupancy
+    from longflow.kernels.onchip import shared_bytes
 
     require_cuda("evals.bench.onchip_scratch")
     device = torch.device("cuda")
+    card = occupancy.gpu(device)
     for batch in [] if args.no_check else args.batches:
         for slots in args.slots:
             for options in (dict(block_n=64), dict(block_n=32)):
@@ -100,7 +102,11 @@ def main() -> None:
                        for name in ("sdpa_cudnn", "flash_decode", "longflow_fused")}
             triton = heuristic_config(batch, slots, device)  # the Triton call, whatever the default
             methods["triton_fused"] = [lambda s=s, c=triton: longflow_attention(*s, scale, config=c) for s in sets]
-            methods |= {name: [onchip_call(*s, scale, **options) for s in sets] for name, options in timed.items()}
+            fitting = {name: options for name, options in timed.items()
+                       if shared_bytes(options["block_n"], options["stages"], slots) <= card.shared_per_program}
+            for name in timed.keys() - fitting.keys():
+                print(f"batch {batch:>3}, {slots:>4} slots: {name} needs more shared memory than a program may take")
+            methods |= {name: [onchip_call(*s, scale, **options) for s in sets] for name, options in fitting.items()}
             times = interleaved_ms(methods)
             cudnn = times["sdpa_cudnn"]
             print(f"batch {batch:>3}, {slots:>4} slots: cuDNN {cudnn:.4f} ms; x cuDNN: "
