@@ -137,6 +137,26 @@ def test_rejects_bad_inputs():
         longflow_attention(q, k, v[:, :, :5], valid)
 
 
+@pytest.mark.parametrize("batch,slots,splits,scratch", [
+    (16, 1024, 1, "fp32"),  # 128 programs, one a multiprocessor in one wave: unsplit
+    (16, 4096, 1, "fp32"),
+    (16, 8192, 3, "fp16"),  # the fp32 scratch overflows a quarter of L2: fp16, which pays only split
+    (32, 8192, 1, "fp16"),  # 256 programs, two a multiprocessor in one wave
+    (24, 1024, 2, "fp32"),  # 192 programs: 73% of two a multiprocessor, so split
+    (8, 1024, 5, "fp32"),   # 64 programs: half the multiprocessors idle unsplit
+])
+def test_default_config_splits_only_where_the_programs_leave_places_idle(batch, slots, splits, scratch):
+    """The scored call is split only where B * Hkv programs would leave more than a tenth of one or
+    two places a multiprocessor idle (132 multiprocessors, 50 MB of L2, 8 KV heads); `flash_decode`,
+    which combines its splits in its last program, keeps its splits (2 programs a multiprocessor)."""
+    from longflow.kernels.longflow_attention import default_config
+
+    config = default_config(batch, 8, 32, slots, 128, sms=132, l2_bytes=50 * 2**20)
+    assert (config.splits, config.scratch) == (splits, scratch)
+    unscored = default_config(batch, 8, 32, slots, 128, sms=132, l2_bytes=50 * 2**20, scored=False)
+    assert unscored.splits == max(1, -(-2 * 132 // (batch * 8)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch,slots", [(1, 8192), (16, 1024), (16, 8192), (64, 3200)])
 def test_default_config_at_benchmark_shapes(batch, slots):

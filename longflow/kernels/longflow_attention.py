@@ -509,13 +509,14 @@ def _l2_bytes(device: torch.device) -> int:
 @functools.cache  # called per layer and decode step when not under a CUDA graph
 def default_config(
     batch: int, kv_heads: int, q_heads: int, slots: int, head_dim: int, sms: int, l2_bytes: int = 50 * 2**20,
-    selections: int = 1, onchip: GPU | None = None,
+    selections: int = 1, onchip: GPU | None = None, scored: bool = True,
 ) -> LaunchConfig:
-    """Heuristic launch configuration; constants from H200 sweeps (longflow/kernels/NOTES.md).
+    """Heuristic launch configuration; constants from H200 and H100 sweeps (longflow/kernels/NOTES.md).
     `selections`: next slots chosen per row (1 when the KV heads share one, `kv_heads` otherwise).
     `onchip`: the GPU (`longflow.kernels.occupancy.gpu`) where the call can take the on-chip pass
     (`longflow.kernels.onchip.unsupported` None, LongFlow's score, one selection), else None; the
-    pass is then chosen where `onchip.tiling` expects it faster."""
+    pass is then chosen where `onchip.tiling` expects it faster. `scored`: a score pass follows the
+    attention pass (the scored call), False for `flash_decode`, whose last program combines the splits."""
     if onchip is not None:
         from longflow.kernels import onchip as onchip_pass  # Gluon, which the rest does not need
 
@@ -542,6 +543,15 @@ def default_config(
     # (longflow/kernels/NOTES.md). With fewer, larger programs fp32 is as fast or faster.
     fp32_scratch_bytes = batch * q_heads * slots * 4
     scratch = "fp16" if split_regime and fp32_scratch_bytes > l2_bytes // 4 else "fp32"
+    # Where B * Hkv programs already fill one or two a multiprocessor in a nearly whole wave (batch
+    # 16 and 32 at 8 KV heads on 132 multiprocessors), the scored call is faster unsplit: its score
+    # pass then combines no splits. On an H100, 1.06-1.07x cuDNN against the splits' 1.08-1.11x at
+    # batch 16 up to 4096 slots, 1.05-1.10x against 1.12-1.20x at batch 32. At one program a
+    # multiprocessor the fp16 scratch's per-tile work shows (1.16-1.18x), so there only with fp32.
+    per_multiprocessor = 1 if programs <= sms else 2
+    whole_wave = programs >= occupancy.WAVE_FILL * per_multiprocessor * sms
+    if scored and split_regime and whole_wave and (per_multiprocessor == 2 or scratch == "fp32"):
+        splits = 1
     return LaunchConfig(block_n=block_n, num_stages=num_stages, splits=splits, score_splits=score_splits,
                         block_s=block_s, scratch=scratch)
 
@@ -989,7 +999,7 @@ def _decode_pass(q, k, v, valid, lengths, scale, config, arrivals, append=None) 
     scale = head_dim**-0.5 if scale is None else float(scale)
     sms = _multiprocessors(q.device)
     if config is None:
-        config = default_config(batch, kv_heads, q_heads, slots, head_dim, sms, _l2_bytes(q.device))
+        config = default_config(batch, kv_heads, q_heads, slots, head_dim, sms, _l2_bytes(q.device), scored=False)
     if lengths is None:
         chunk, splits = _even_split(slots, config.splits, config.block_n)
     else:  # the kernel cuts each row's filled slots itself

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import torch
 
 SHARED_RESERVED = 1024  # what the driver keeps of each program's shared memory (sm_80 on)
+# A launch whose programs each take one whole row's work (no splits) is tiled for it only where its
+# last wave keeps at least this share of the program places busy.
+WAVE_FILL = 0.9
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2  # noqa: E402
 
 from longflow.kernels.longflow_attention import LOG2E, _mask_strides  # noqa: E402
-from longflow.kernels.occupancy import GPU, SM90, programs_per_sm  # noqa: E402
+from longflow.kernels.occupancy import GPU, SM90, WAVE_FILL, programs_per_sm  # noqa: E402
 from longflow.kernels.reductions import reduce_min, reduce_sum  # noqa: E402
 
 MAX_SLOTS = 8192  # the compact scratch and two stages of 32-slot tiles: two programs a multiprocessor
@@ -237,7 +237,6 @@ REGISTERS = {32: 136, 64: 176}
 # (longflow/kernels/NOTES.md, "Which tile, on which card"): 32 KB in flight keeps an H100's 25 GB/s a
 # multiprocessor fed (1.04-1.07x cuDNN at 8192 slots) but not an H200's 36 (1.28x); 48 KB does.
 LATENCY_S = 1.1e-6
-WAVE_FILL = 0.9  # the last wave's share of busy program places: each program is one whole row's work
 PIPELINE_STAGES = 2  # at each of the 12 points of the first sweep the best tiling had two
 
 
