@@ -546,8 +546,9 @@ def default_config(
     # Where B * Hkv programs already fill one or two a multiprocessor in a nearly whole wave (batch
     # 16 and 32 at 8 KV heads on 132 multiprocessors), the scored call is faster unsplit: its score
     # pass then combines no splits. On an H100, 1.06-1.07x cuDNN against the splits' 1.08-1.11x at
-    # batch 16 up to 4096 slots, 1.05-1.10x against 1.12-1.20x at batch 32. At one program a
-    # multiprocessor the fp16 scratch's per-tile work shows (1.16-1.18x), so there only with fp32.
+    # batch 16 over 1024-3200 slots (slower at 5120, where every unsplit pass is), 1.04-1.10x against
+    # 1.11-1.20x at batch 32. At one program a multiprocessor the fp16 scratch's per-tile work shows
+    # (1.16-1.18x), so there only with fp32 (longflow/kernels/NOTES.md, "Batch 16 on an H100").
     per_multiprocessor = 1 if programs <= sms else 2
     whole_wave = programs >= occupancy.WAVE_FILL * per_multiprocessor * sms
     if scored and split_regime and whole_wave and (per_multiprocessor == 2 or scratch == "fp32"):
