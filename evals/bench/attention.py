@@ -115,6 +115,17 @@ def interleaved_ms(methods: dict[str, list], rounds: int = ROUNDS, replays: int 
     return {name: ms / len(methods[name]) for name, ms in replays_in_turns_ms(graphs, rounds, replays).items()}
 
 
+def against_cudnn(sets: list[tuple], methods: dict[str, list]) -> str:
+    """`methods` (name -> calls, one per input set of `sets`) timed in turns beside cuDNN's SDPA,
+    `flash_decode` and the library's fused call as it chooses, as "cuDNN <ms> ms; x cuDNN: <name>
+    <ratio>, ..." (the sweeps' one line a point)."""
+    baselines = {name: [method_calls(name, *s)[0] for s in sets] for name in ("sdpa_cudnn", "flash_decode",
+                                                                              "longflow_fused")}
+    times = interleaved_ms(baselines | methods)
+    cudnn = times.pop("sdpa_cudnn")
+    return f"cuDNN {cudnn:.4f} ms; x cuDNN: " + ", ".join(f"{name} {ms / cudnn:.3f}" for name, ms in times.items())
+
+
 def replays_in_turns_ms(graphs: dict[str, torch.cuda.CUDAGraph], rounds: int = ROUNDS,
                         replays: int = REPLAYS) -> dict[str, float]:
     """Median replay of each graph (name -> graph), `rounds` rounds of `replays // rounds` each in turns."""

@@ -82,10 +82,10 @@ def main() -> None:
                         help="time the pass at these tilings only (e.g. 32x2 64x2w8), instead of TIMED's")
     args = parser.parse_args()
     timed = TIMED if not args.tiles else {f"onchip{t}": parse_tile(t) for t in args.tiles}
-    from evals.bench.attention import HEAD_DIM, cache_sets, heuristic_config, interleaved_ms, method_calls
+    from evals.bench.attention import HEAD_DIM, against_cudnn, cache_sets, heuristic_config
     from evals.bench.common import require_cuda
     from longflow.kernels import longflow_attention, occupancy
-    from longflow.kernels.onchip import shared_bytes
+    from longflow.kernels.onchip import fits
 
     require_cuda("evals.bench.onchip_scratch")
     device = torch.device("cuda")
@@ -98,21 +98,14 @@ def main() -> None:
     for batch in args.batches:
         for slots in args.slots:
             sets = cache_sets(batch, slots, device)
-            methods = {name: [method_calls(name, *s)[0] for s in sets]
-                       for name in ("sdpa_cudnn", "flash_decode", "longflow_fused")}
             triton = heuristic_config(batch, slots, device)  # the Triton call, whatever the default
-            methods["triton_fused"] = [lambda s=s, c=triton: longflow_attention(*s, scale, config=c) for s in sets]
-            fitting = {name: options for name, options in timed.items()
-                       if shared_bytes(options["block_n"], options["stages"], slots) <= card.shared_per_program}
-            for name in timed.keys() - fitting.keys():
-                print(f"batch {batch:>3}, {slots:>4} slots: {name} needs more shared memory than a program may take")
-            methods |= {name: [onchip_call(*s, scale, **options) for s in sets] for name, options in fitting.items()}
-            times = interleaved_ms(methods)
-            cudnn = times["sdpa_cudnn"]
-            print(f"batch {batch:>3}, {slots:>4} slots: cuDNN {cudnn:.4f} ms; x cuDNN: "
-                  + ", ".join(f"{name} {ms / cudnn:.3f}" for name, ms in times.items() if name != "sdpa_cudnn"),
-                  flush=True)
-
+            methods = {"triton_fused": [lambda s=s, c=triton: longflow_attention(*s, scale, config=c) for s in sets]}
+            for name, options in timed.items():
+                if not fits(options["block_n"], options["stages"], slots, card):
+                    print(f"batch {batch:>3}, {slots:>4} slots: {name} needs more shared memory than a program gets")
+                    continue
+                methods[name] = [onchip_call(*s, scale, **options) for s in sets]
+            print(f"batch {batch:>3}, {slots:>4} slots: {against_cudnn(sets, methods)}", flush=True)
 
 if __name__ == "__main__":
     from evals.bench.common import run

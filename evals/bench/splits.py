@@ -8,7 +8,7 @@ replays in turns): where splitting a KV head's slots over programs pays and wher
 Names: `s<splits><32|16>` = that many splits with an fp32 or fp16 scratch, the rest of the
 `LaunchConfig` as `default_config` chooses; `longflow_fused` = the library's call as it chooses (the
 on-chip pass where `longflow.kernels.onchip.tiling` takes it). Results: longflow/kernels/NOTES.md,
-"One split where the programs fill a wave"; `results/engine/splits_h100.txt`.
+"Batch 16 on an H100"; `results/engine/splits_h100.txt`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4],
                         help="splits to time, beside the default's own")
     args = parser.parse_args()
-    from evals.bench.attention import HEAD_DIM, cache_sets, heuristic_config, interleaved_ms, method_calls
+    from evals.bench.attention import HEAD_DIM, against_cudnn, cache_sets, heuristic_config
     from evals.bench.common import require_cuda
     from longflow.kernels import longflow_attention
 
@@ -37,18 +37,14 @@ def main() -> None:
         for slots in args.slots:
             sets = cache_sets(batch, slots, device)
             base = heuristic_config(batch, slots, device)
-            methods = {name: [method_calls(name, *s)[0] for s in sets]
-                       for name in ("sdpa_cudnn", "flash_decode", "longflow_fused")}
+            methods = {}
             for splits in sorted({*args.splits, base.splits}):
                 for scratch in ("fp32", "fp16"):
                     config = replace(base, splits=splits, scratch=scratch)
                     methods[f"s{splits}{scratch[2:]}"] = [
                         lambda s=s, c=config: longflow_attention(*s, scale, config=c) for s in sets]
-            times = interleaved_ms(methods)
-            cudnn = times.pop("sdpa_cudnn")
-            print(f"batch {batch:>3}, {slots:>4} slots (default: {base.splits} splits, {base.scratch}): cuDNN "
-                  f"{cudnn:.4f} ms; x cuDNN: " + ", ".join(f"{name} {ms / cudnn:.3f}" for name, ms in times.items()),
-                  flush=True)
+            print(f"batch {batch:>3}, {slots:>4} slots (default: {base.splits} splits, {base.scratch}): "
+                  f"{against_cudnn(sets, methods)}", flush=True)
             torch.cuda.empty_cache()
 
 

@@ -530,7 +530,6 @@ def default_config(
     # programs a 4th pipeline stage pays (fewer programs per SM, more bytes in flight each); below,
     # 3 stages keep 3 programs per SM resident in one wave.
     split_regime = programs < 2 * sms
-    splits = max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(slots, block_n)))
     num_stages = 3 if split_regime else 4
     # Score pass: 128 (small batches) or 256 slots per program, at most ~4 programs per multiprocessor
     # (a row's selections each have programs of their own). With one split its tiles are 64 slots
@@ -550,9 +549,9 @@ def default_config(
     # 1.11-1.20x at batch 32. At one program a multiprocessor the fp16 scratch's per-tile work shows
     # (1.16-1.18x), so there only with fp32 (longflow/kernels/NOTES.md, "Batch 16 on an H100").
     per_multiprocessor = 1 if programs <= sms else 2
-    whole_wave = programs >= occupancy.WAVE_FILL * per_multiprocessor * sms
-    if scored and split_regime and whole_wave and (per_multiprocessor == 2 or scratch == "fp32"):
-        splits = 1
+    whole_wave = occupancy.wave_fill(programs, per_multiprocessor * sms) >= occupancy.WAVE_FILL
+    unsplit = scored and whole_wave and (per_multiprocessor == 2 or scratch == "fp32")
+    splits = 1 if unsplit else max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(slots, block_n)))
     return LaunchConfig(block_n=block_n, num_stages=num_stages, splits=splits, score_splits=score_splits,
                         block_s=block_s, scratch=scratch)
 
@@ -858,12 +857,12 @@ def _check_onchip(q, k, v, config, epilogue) -> None:
     if epilogue.score != SCORES["longflow"] or epilogue.per_kv_head:
         raise ValueError("LaunchConfig(onchip=True) takes LongFlow's score with one selection a row only")
     # The shared memory before the device: on a CPU it is checked against sm_90's, so that tests see it.
-    shared = onchip.shared_bytes(config.block_n, config.num_stages, k.shape[2])
-    most = (occupancy.gpu(q.device) if q.is_cuda else occupancy.SM90).shared_per_program
-    if shared > most:
+    card = occupancy.gpu(q.device) if q.is_cuda else occupancy.SM90
+    if not onchip.fits(config.block_n, config.num_stages, k.shape[2], card):
+        shared = onchip.shared_bytes(config.block_n, config.num_stages, k.shape[2])
         raise ValueError(f"LaunchConfig(onchip=True): {config.block_n}-slot tiles at {config.num_stages} stages over "
                          f"{k.shape[2]} slots take {shared} bytes of shared memory, more than the GPU gives a program "
-                         f"({most})")
+                         f"({card.shared_per_program})")
     if not q.is_cuda:
         raise ValueError("LaunchConfig(onchip=True) needs CUDA tensors: Gluon kernels have no interpreter")
     reason = onchip.unsupported(q, k, v)

@@ -13,7 +13,7 @@ import torch
 
 SHARED_RESERVED = 1024  # what the driver keeps of each program's shared memory (sm_80 on)
 # A launch whose programs each take one whole row's work (no splits) is tiled for it only where its
-# last wave keeps at least this share of the program places busy.
+# last wave keeps at least this share of the program places busy (`wave_fill`).
 WAVE_FILL = 0.9
 
 
@@ -62,3 +62,9 @@ def programs_per_sm(registers: int, shared: int, warps: int, on: GPU = SM90) -> 
     return {"registers": on.registers // (per_warp * warps),
             "shared": on.shared // (shared + SHARED_RESERVED) if fits else 0,
             "warps": on.warps // warps}
+
+
+def wave_fill(programs: int, places: int) -> float:
+    """The share of program places busy over a launch's waves: `programs` over `places` resident at once
+    (multiprocessors x programs each), 1 where the last wave is full."""
+    return programs / (-(-programs // places) * places)

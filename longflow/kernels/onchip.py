@@ -47,7 +47,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2  # noqa: E402
 
 from longflow.kernels.longflow_attention import LOG2E, _mask_strides  # noqa: E402
-from longflow.kernels.occupancy import GPU, SM90, WAVE_FILL, programs_per_sm  # noqa: E402
+from longflow.kernels.occupancy import GPU, SM90, WAVE_FILL, programs_per_sm, wave_fill  # noqa: E402
 from longflow.kernels.reductions import reduce_min, reduce_sum  # noqa: E402
 
 MAX_SLOTS = 8192  # the compact scratch and two stages of 32-slot tiles: two programs a multiprocessor
@@ -247,6 +247,11 @@ def shared_bytes(block_n: int, stages: int, slots: int) -> int:
     return stages * 2 * block_n * HEAD_DIM * 2 + tiles * (block_n * GROUP * 2 + GROUP * 4) + block_n * 32
 
 
+def fits(block_n: int, stages: int, slots: int, on: GPU = SM90) -> bool:
+    """Whether one program of the pass at this tiling gets its shared memory on `on`."""
+    return shared_bytes(block_n, stages, slots) <= on.shared_per_program
+
+
 def resident_programs(block_n: int, stages: int, slots: int, on: GPU = SM90) -> int:
     """Programs of the pass (4 warps) one multiprocessor of `on` holds at once (0: none fits)."""
     return min(programs_per_sm(REGISTERS[block_n], shared_bytes(block_n, stages, slots), 4, on).values())
@@ -266,8 +271,7 @@ def tiling(programs: int, slots: int, on: GPU) -> tuple[int, int] | None:
         in_flight = resident * (PIPELINE_STAGES - 1) * 2 * block_n * HEAD_DIM * 2
         if resident < 2 or in_flight < on.bandwidth / on.multiprocessors * LATENCY_S:
             continue
-        places = resident * on.multiprocessors
-        if programs / (triton.cdiv(programs, places) * places) >= WAVE_FILL:
+        if wave_fill(programs, resident * on.multiprocessors) >= WAVE_FILL:
             return block_n, PIPELINE_STAGES
     return None
 
