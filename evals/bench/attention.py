@@ -398,12 +398,14 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=150)
 
 
-def heuristic_config(batch: int, slots: int, device: torch.device):
+def heuristic_config(batch: int, slots: int, device: torch.device, scored: bool = True):
     """The Triton call's own `LaunchConfig` at this shape on `device`, the point the sweeps vary around
-    (never the on-chip pass, which `default_config` is asked for only where the inputs allow it)."""
+    (never the on-chip pass, which `default_config` is asked for only where the inputs allow it);
+    `scored` False: vanilla's decode pass's (`flash_decode`, `append_decode`), which splits elsewhere."""
     from longflow.kernels.longflow_attention import _l2_bytes, _multiprocessors, default_config
 
-    return default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, _multiprocessors(device), _l2_bytes(device))
+    return default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, _multiprocessors(device), _l2_bytes(device),
+                          scored=scored)
 
 
 def sweep_point(batch: int, slots: int, device: torch.device) -> None:
@@ -452,7 +454,7 @@ def step_sweep(device: torch.device, points) -> None:
     print(f"{'batch':>5} {'slots':>5} {'three':>8} {'one':>8} {'x_three':>7}  config")
     for batch, slots in points:
         sets = cache_sets(batch, slots, device)
-        base = heuristic_config(batch, slots, device)
+        base = heuristic_config(batch, slots, device, scored=False)
         variants = [base, *(replace(base, splits=max(1, base.splits * n // 4)) for n in (1, 2, 8)),
                     replace(base, block_n=32), replace(base, block_n=128), replace(base, num_warps=2),
                     replace(base, num_warps=8), replace(base, num_stages=2)]

@@ -98,8 +98,9 @@ def main() -> None:
     for batch in args.batches:
         for slots in args.slots:
             sets = cache_sets(batch, slots, device)
-            triton = heuristic_config(batch, slots, device)  # the Triton call, whatever the default
-            methods = {"triton_fused": [lambda s=s, c=triton: longflow_attention(*s, scale, config=c) for s in sets]}
+            triton_config = heuristic_config(batch, slots, device)  # the Triton call, whatever the default
+            methods = {"triton_fused": [lambda s=s, c=triton_config: longflow_attention(*s, scale, config=c)
+                                        for s in sets]}
             for name, options in timed.items():
                 if not fits(options["block_n"], options["stages"], slots, card):
                     print(f"batch {batch:>3}, {slots:>4} slots: {name} needs more shared memory than a program gets")

@@ -71,10 +71,11 @@ def attention_calls(batch: int, slots: int):
     received = torch.zeros(batch, KV_HEADS, slots)
     lengths = torch.full((batch,), slots, dtype=torch.int32)
     config = default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, SMS, L2_BYTES)
+    decode_config = default_config(batch, KV_HEADS, Q_HEADS, slots, HEAD_DIM, SMS, L2_BYTES, scored=False)
     return [("LongFlow", lambda: longflow_attention(q, k, v, valid[:, 0], config=config)),
             ("H2O", lambda: scored_attention(q, k, v, valid, next_slot, score="accumulated", per_kv_head=True,
                                              received=received, config=config)),
-            ("flash_decode", lambda: flash_decode(q, k, v, valid[:, 0], lengths, config=config)),
+            ("flash_decode", lambda: flash_decode(q, k, v, valid[:, 0], lengths, config=decode_config)),
             ("on chip", lambda: onchip_attention(q, k, v, valid[:, 0], next_slot[:, :1], HEAD_DIM**-0.5)),
             ("on chip 32", lambda: onchip_attention(q, k, v, valid[:, 0], next_slot[:, :1], HEAD_DIM**-0.5,
                                                     block_n=32))]
